@@ -1,0 +1,49 @@
+"""TorchTPU: a native PyTorch `tpu` device on JAX's PJRT runtime.
+
+`import torchtpu` (or just `import torch`, through PyTorch's backend autoload) makes
+`device="tpu"` work like `device="cuda"`.  The device module is `torch.tpu`.
+"""
+import torch
+
+from ._device import module as _module
+from ._device import registration as _registration
+from ._device import runtime as _runtime
+
+__version__ = "0.1.0"
+
+_registration.register_backend(_module)
+
+
+def _install_kernels():
+    from . import _ops
+    from ._execution import fallback, kernels
+    from ._ops import transfer, views
+
+    lib = torch.library.Library("aten", "IMPL")
+    views.register(lib)
+    transfer.register(lib)
+    manual = {torch.ops.aten.copy_.default}
+    kernels.register_table(lib, skip=manual)
+    fallback_lib = torch.library.Library("_", "IMPL")
+    fallback.register(fallback_lib)
+    return lib, fallback_lib
+
+
+if not hasattr(torch.tpu, "_torchtpu_library"):
+    torch.tpu._torchtpu_library = _install_kernels()
+
+
+def metrics():
+    """Counters since start (or the last `reset_metrics()`): ops dispatched, executables
+    compiled, host<->device transfers, CPU fallbacks."""
+    from ._execution import metrics as m
+    return m.snapshot()
+
+
+def reset_metrics():
+    from ._execution import metrics as m
+    m.reset()
+
+
+def _autoload():
+    """Entry point for PyTorch's device-backend autoload (`torch.backends` entry points)."""

@@ -1,0 +1,83 @@
+"""The PJRT side: which JAX platform backs the `tpu` device, its devices, sync and precision."""
+import os
+import threading
+
+import jax
+
+# int64 is PyTorch's index type and float64 a real dtype on the CPU; without x64 JAX would
+# silently narrow both.
+jax.config.update("jax_enable_x64", True)
+
+_PLATFORM_ORDER = ("tpu", "gpu", "cpu")
+_state = threading.local()
+
+
+def _choose_platform():
+    wanted = os.environ.get("TORCHTPU_PLATFORM", "").strip().lower()
+    if wanted:
+        if wanted == "cuda":
+            wanted = "gpu"
+        if wanted not in _PLATFORM_ORDER:
+            raise RuntimeError(
+                f"TORCHTPU_PLATFORM={wanted!r} is not one of {', '.join(_PLATFORM_ORDER)}")
+        try:
+            jax.devices(wanted)
+        except RuntimeError as e:
+            raise RuntimeError(f"TORCHTPU_PLATFORM={wanted} but JAX has no {wanted} backend: {e}")
+        return wanted
+    for name in _PLATFORM_ORDER:
+        try:
+            if jax.devices(name):
+                return name
+        except RuntimeError:
+            continue
+    return "cpu"
+
+
+_platform = None
+_devices = None
+
+
+def platform():
+    global _platform
+    if _platform is None:
+        _platform = _choose_platform()
+    return _platform
+
+
+def devices():
+    """The local JAX devices; `tpu:N` is `devices()[N]`."""
+    global _devices
+    if _devices is None:
+        _devices = jax.local_devices(backend=platform())
+    return _devices
+
+
+def device_count():
+    return len(devices())
+
+
+def jax_device(index):
+    devs = devices()
+    if not 0 <= index < len(devs):
+        raise RuntimeError(
+            f"Invalid device ordinal tpu:{index}: {len(devs)} tpu device(s) are available")
+    return devs[index]
+
+
+# The current device is process-wide, not per thread: PyTorch's autograd engine runs
+# backward on its own device threads, and they must see the same device as the user.
+_current = [0]
+
+
+def current_device():
+    return _current[0]
+
+
+def set_current_device(index):
+    jax_device(index)
+    _current[0] = index
+
+
+def supports_float64():
+    return platform() != "tpu"

@@ -1,0 +1,192 @@
+"""Genuine PrivateUse1 tensors whose storage owns a JAX array.
+
+A storage is a real `torch.UntypedStorage` of the right byte size whose data pointer is only an
+identity (never dereferenced). Its Python object carries a `DeviceBuffer` holding the JAX array
+of the storage's elements in memory order; PyTorch keeps that object alive exactly as long as
+the storage, so device memory is freed with the last tensor that uses it.
+"""
+import itertools
+import threading
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from . import runtime
+from .dtypes import to_jax_dtype
+
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_set_storage = torch.ops.aten.set_.source_Storage_storage_offset._handle
+_create_empty = torch._C._acc.create_empty_tensor
+_storage_from_pointer = torch._C._construct_storage_from_data_pointer
+
+# Fake addresses, spaced by each storage's size so that no two storages ever appear to overlap.
+_next_address = [1 << 44]
+_address_lock = threading.Lock()
+
+
+def _reserve_address(nbytes):
+    with _address_lock:
+        address = _next_address[0]
+        _next_address[0] += (nbytes + 127) & ~63
+    return address
+
+
+class MemoryStats:
+    __slots__ = ("allocated", "peak", "num_alloc", "num_free")
+
+    def __init__(self):
+        self.allocated = self.peak = self.num_alloc = self.num_free = 0
+
+
+_stats = {}
+
+
+def memory_stats_for(index):
+    s = _stats.get(index)
+    if s is None:
+        s = _stats[index] = MemoryStats()
+    return s
+
+
+class DeviceBuffer:
+    """The device memory behind one storage: a JAX array (or None until first written)."""
+
+    __slots__ = ("array", "nbytes", "index", "dtype")
+
+    def __init__(self, array, nbytes, index, dtype):
+        self.array = array
+        self.nbytes = nbytes
+        self.index = index
+        self.dtype = dtype  # jax dtype of `array`'s elements
+        s = memory_stats_for(index)
+        s.allocated += nbytes
+        s.num_alloc += 1
+        if s.allocated > s.peak:
+            s.peak = s.allocated
+
+    def __del__(self):
+        s = _stats.get(self.index)
+        if s is not None:
+            s.allocated -= self.nbytes
+            s.num_free += 1
+
+    def value(self):
+        """The array; storage created by `empty` materialises as zeros on first read."""
+        a = self.array
+        if a is None:
+            itemsize = jnp.dtype(self.dtype).itemsize
+            a = self.array = jax.device_put(
+                jnp.zeros((self.nbytes // itemsize,), self.dtype), runtime.jax_device(self.index))
+        return a
+
+
+def buffer_of(t):
+    return t.untyped_storage()._tpu
+
+
+def new_storage(nbytes, index, array, dtype):
+    storage = _storage_from_pointer(
+        _reserve_address(nbytes), torch.device("tpu", index), nbytes)
+    storage._tpu = DeviceBuffer(array, nbytes, index, dtype)
+    return storage
+
+
+def contiguous_strides(shape):
+    strides = []
+    acc = 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def storage_numel(shape, stride, offset=0):
+    if any(n == 0 for n in shape):
+        return offset
+    return offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+
+
+def _empty_on(index, shape, dtype):
+    if index == 0:
+        return _create_empty(shape, dtype)
+    return _seed_for(index, shape, dtype)
+
+
+def wrap(array, shape, stride, dtype, index, nbytes=None, offset=0):
+    """A new tpu tensor over a new storage that owns `array` (storage-ordered elements)."""
+    shape = list(shape)
+    if nbytes is None:
+        nbytes = storage_numel(shape, stride, offset) * dtype.itemsize
+    t = _empty_on(index, shape, dtype)
+    storage = new_storage(nbytes, index, array, to_jax_dtype(dtype))
+    _set_storage.redispatch_boxed(_CPU_KEYS, t, storage, offset, shape, stride)
+    return t
+
+
+def set_storage(t, storage, offset, shape, stride):
+    _set_storage.redispatch_boxed(_CPU_KEYS, t, storage, offset, list(shape), list(stride))
+
+
+# --- tensors on tpu:N for N > 0 --------------------------------------------------------
+# PyTorch's Python backend hook only makes fresh tensors on device index 0, and `set_` refuses
+# to move a tensor to a storage on another device.  A DLPack import of an "external device"
+# capsule yields a PrivateUse1 tensor on any index; we import one such seed per device, then an
+# `alias` redispatched below ADInplaceOrView gives a fresh TensorImpl (with its own version
+# counter) on that device, ready for `set_`.
+_seeds = {}
+_alias = torch.ops.aten.alias.default._handle
+
+
+def _seed_for(index, shape, dtype):
+    seed = _seeds.get(index)
+    if seed is None:
+        seed = _seeds[index] = _dlpack_seed(index)
+    t = _alias.redispatch_boxed(_CPU_KEYS, seed)
+    return t if t.dtype == dtype else _retype(t, dtype)
+
+
+def _retype(t, dtype):
+    # `set_` keeps the tensor's dtype, so the alias must already carry the wanted one.
+    return torch.ops.aten.view.dtype.redispatch(_CPU_KEYS, t, dtype)
+
+
+def _dlpack_seed(index):
+    import ctypes
+
+    class DLDevice(ctypes.Structure):
+        _fields_ = [("device_type", ctypes.c_int), ("device_id", ctypes.c_int)]
+
+    class DLDataType(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+    class DLTensor(ctypes.Structure):
+        _fields_ = [("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int),
+                    ("dtype", DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                    ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+    class DLManagedTensor(ctypes.Structure):
+        _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p),
+                    ("deleter", ctypes.c_void_p)]
+
+    k_dl_ext_dev, k_dl_uint = 12, 1
+    shape = (ctypes.c_int64 * 1)(0)
+    strides = (ctypes.c_int64 * 1)(1)
+    managed = DLManagedTensor()
+    managed.dl_tensor.data = _reserve_address(64)
+    managed.dl_tensor.device = DLDevice(k_dl_ext_dev, index)
+    managed.dl_tensor.ndim = 1
+    managed.dl_tensor.dtype = DLDataType(k_dl_uint, 8, 1)
+    managed.dl_tensor.shape = shape
+    managed.dl_tensor.strides = strides
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype = ctypes.py_object
+    new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    capsule = new_capsule(ctypes.addressof(managed), b"dltensor", None)
+    seed = torch._C._from_dlpack(capsule)
+    # The struct must outlive the seed: torch reads it lazily and never frees it (no deleter).
+    _dlpack_keepalive.append((managed, shape, strides))
+    return seed
+
+
+_dlpack_keepalive = []

@@ -1,0 +1,48 @@
+"""What happens to an aten op with no tpu lowering: NotImplementedError naming the overload,
+or (with `torch.tpu.enable_cpu_fallback = True`) a run on the CPU, warned once per op."""
+import warnings
+
+import torch
+from torch.utils._pytree import tree_map
+
+from . import metrics
+
+_warned = set()
+
+
+def _fallback(op, *args, **kwargs):
+    name = f"{op._schema.name}.{op._schema.overload_name or 'default'}"
+    if not getattr(torch.tpu, "enable_cpu_fallback", False):
+        raise NotImplementedError(
+            f"The operator '{name}' is not implemented for the tpu device. "
+            "Set torch.tpu.enable_cpu_fallback = True to run it on the CPU instead.")
+    from .._ops.transfer import to_host
+    if name not in _warned:
+        _warned.add(name)
+        warnings.warn(f"torchtpu: '{name}' has no tpu lowering and runs on the CPU "
+                      "(torch.tpu.enable_cpu_fallback is on).", stacklevel=3)
+    metrics.counters["cpu_fallbacks"] += 1
+    metrics.counters[f"cpu_fallback::{name}"] += 1
+    device = [None]
+
+    def to_cpu(x):
+        if isinstance(x, torch.Tensor) and x.device.type == "tpu":
+            device[0] = device[0] or x.device
+            return to_host(x)
+        return x
+
+    cpu_args = tree_map(to_cpu, args)
+    cpu_kwargs = tree_map(to_cpu, kwargs)
+    out = op(*cpu_args, **cpu_kwargs)
+    # Mutated tpu arguments get the CPU results written back.
+    for a, ca in zip(op._schema.arguments, list(cpu_args) + [cpu_kwargs.get(x.name) for x in op._schema.arguments[len(cpu_args):]]):
+        if a.alias_info is not None and a.alias_info.is_write:
+            orig = args[op._schema.arguments.index(a)] if op._schema.arguments.index(a) < len(args) else kwargs[a.name]
+            if isinstance(orig, torch.Tensor) and orig.device.type == "tpu":
+                orig.copy_(ca)
+    dev = device[0] or torch.device("tpu", torch.tpu.current_device())
+    return tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor) and x.device.type == "cpu" else x, out)
+
+
+def register(lib):
+    lib.fallback(_fallback, dispatch_key="PrivateUse1")

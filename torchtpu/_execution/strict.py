@@ -1,0 +1,486 @@
+"""Strict eager: every op runs as a cached, compiled JAX executable, dispatched asynchronously.
+
+For each registered overload a PrivateUse1 kernel turns the call into
+  key   = (static args, each tensor's dtype/shape/stride/offset/aliasing, scalar types)
+  miss  -> PyTorch's meta kernel gives the outputs' dtypes/shapes/strides and PyTorch's own
+           errors for bad input; a `jax.jit` of  read views -> lowering -> write back / store
+           is built once and cached under the key
+  call  -> the jitted function on the storages' arrays; outputs become new storages, in-place
+           results replace the mutated storages' arrays.
+Nothing is committed before the executable returned (and its index checks passed), so a
+failing op leaves every tensor as it was.
+"""
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .._device import runtime, storage
+from .._device.dtypes import to_jax_dtype
+from .._ops import registry
+from . import metrics, strided
+from .random import next_key_parts, key_from_parts
+
+_T, _TOPT, _TLIST, _SCALAR, _STATIC, _DEVICE, _SCALARLIST = range(7)
+_meta_device = torch.device("meta")
+
+
+class _Arg:
+    __slots__ = ("name", "kind", "kwarg_only", "default", "has_default", "is_write", "is_out")
+
+
+def _classify(schema, static_scalars):
+    args = []
+    for a in schema.arguments:
+        x = _Arg()
+        x.name = a.name
+        x.kwarg_only = a.kwarg_only
+        x.has_default = a.has_default_value()
+        x.default = a.default_value if x.has_default else None
+        x.is_write = a.alias_info is not None and a.alias_info.is_write
+        x.is_out = a.is_out
+        t = str(a.type)
+        if t in ("Tensor", "Tensor(a)", "Tensor(a!)") or t.startswith("Tensor(") and not t.endswith("[]"):
+            x.kind = _T
+        elif t == "Tensor?":
+            x.kind = _TOPT
+        elif t.startswith("Tensor") and t.endswith("[]") or t in ("List[Tensor]", "List[Optional[Tensor]]"):
+            x.kind = _TLIST
+        elif t in ("Scalar", "Scalar?", "number") and a.name not in static_scalars:
+            x.kind = _SCALAR
+        elif t in ("Scalar[]", "List[Scalar]"):
+            x.kind = _SCALARLIST
+        elif t in ("Device?", "Device"):
+            x.kind = _DEVICE
+        else:
+            x.kind = _STATIC
+        args.append(x)
+    return args
+
+
+def _hashable(v):
+    if isinstance(v, list):
+        return tuple(_hashable(x) for x in v)
+    return v
+
+
+class _OutResized(Exception):
+    pass
+
+
+class _Compiled:
+    __slots__ = ("fn", "out_specs", "writes", "n_checks", "returns", "list_len")
+
+
+def _device_mismatch(a, b):
+    return RuntimeError(
+        f"Expected all tensors to be on the same device, but found at least two devices, {a} and {b}!")
+
+
+class OpKernel:
+    """The PrivateUse1 kernel of one overload."""
+
+    def __init__(self, overload, low, functional):
+        self.overload = overload
+        self.low = low
+        self.functional = functional
+        schema = overload._schema
+        self.name = f"{schema.name}.{schema.overload_name or 'default'}"
+        self.args = _classify(schema, low.static)
+        self.n_args = len(self.args)
+        self.is_variant = any(a.is_write for a in self.args)
+        self.functional_args = [i for i, a in enumerate(self.args) if not a.is_out]
+        self.writes = [i for i, a in enumerate(self.args) if a.is_write]
+        self.returns = schema.returns
+        self.cache = {}
+        self.lock = threading.Lock()
+
+    # -- binding -------------------------------------------------------------------------
+    def bind(self, args, kwargs):
+        vals = list(args)
+        if len(vals) < self.n_args:
+            for a in self.args[len(vals):]:
+                vals.append(kwargs[a.name] if a.name in kwargs else a.default)
+        return vals
+
+    # -- the hot path ----------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        try:
+            return self._call(args, kwargs)
+        except _OutResized:
+            return self._call(args, kwargs)
+
+    def _call(self, args, kwargs):
+        vals = self.bind(args, kwargs)
+        key = []
+        arrays = []
+        buffers = []
+        scalars = []
+        device = None
+        for a, v in zip(self.args, vals):
+            kind = a.kind
+            if kind == _T or kind == _TOPT:
+                if v is None:
+                    key.append(None)
+                else:
+                    device = self._tensor(v, key, arrays, buffers, scalars, device)
+            elif kind == _TLIST:
+                key.append(len(v))
+                for t in v:
+                    if t is None:
+                        key.append(None)
+                    else:
+                        device = self._tensor(t, key, arrays, buffers, scalars, device)
+            elif kind == _SCALAR:
+                if v is None:
+                    key.append(None)
+                else:
+                    key.append(type(v))
+                    scalars.append(v)
+            elif kind == _SCALARLIST:
+                key.append(tuple(map(type, v)))
+                scalars.extend(v)
+            elif kind == _DEVICE:
+                if v is not None:
+                    v = torch.device(v)
+                    if v.type == "tpu" and device is None:
+                        device = v.index if v.index is not None else runtime.current_device()
+                key.append(v)
+            else:
+                key.append(_hashable(v))
+        if device is None:
+            device = runtime.current_device()
+        if not arrays:
+            key.append(torch.get_default_dtype())
+        if self.low.random:
+            scalars = list(next_key_parts(device)) + scalars
+        if self.low.precision:
+            key.append(torch.get_float32_matmul_precision())
+        key.append(device)
+        key = tuple(key)
+        compiled = self.cache.get(key)
+        if compiled is None:
+            compiled = self._compile(key, vals, arrays, buffers, scalars, device)
+        if self.low.eager:
+            return self._run_eager(compiled, vals, arrays, buffers, scalars, device)
+        metrics.counters["ops"] += 1
+        outs, updated, checks = compiled.fn(arrays, scalars)
+        if checks:
+            self._raise_failed_checks(compiled, checks)
+        return self._commit(compiled, vals, outs, updated, buffers, device)
+
+    def _tensor(self, t, key, arrays, buffers, scalars, device):
+        if not isinstance(t, torch.Tensor):
+            # PyTorch hands wrapped numbers (`x + 1`) to Python kernels as plain numbers.
+            key.append(type(t))
+            scalars.append(t)
+            return device
+        tdev = t.device
+        if tdev.type == "tpu":
+            index = tdev.index
+            if device is None:
+                device = index
+            elif device != index:
+                raise _device_mismatch(f"tpu:{device}", tdev)
+            buf = t.untyped_storage()._tpu
+            for j, b in enumerate(buffers):
+                if b is buf:
+                    break
+            else:
+                j = len(buffers)
+                buffers.append(buf)
+                arrays.append(buf.value())
+            key.append((t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), j))
+        elif t.dim() == 0 and tdev.type == "cpu":
+            # A 0-dim CPU tensor mixes with device tensors (as with CUDA): its value is traced.
+            key.append(("cpu", t.dtype, _is_wrapped_number(t)))
+            scalars.append(t.item())
+        else:
+            raise _device_mismatch(f"tpu:{device if device is not None else runtime.current_device()}", tdev)
+        return device
+
+    def _raise_failed_checks(self, compiled, checks):
+        for ok, (exc_type, message) in zip(jax.device_get(checks), compiled.n_checks):
+            if not bool(ok):
+                raise exc_type(message)
+
+    def _commit(self, compiled, vals, outs, updated, buffers, device):
+        for j, arr in zip(compiled.writes, updated):
+            buffers[j].array = arr
+        new = [storage.wrap(arr, shape, stride, dtype, device)
+               for arr, (shape, stride, dtype) in zip(outs, compiled.out_specs)]
+        return self._returns(compiled, vals, new)
+
+    def _returns(self, compiled, vals, new):
+        results = []
+        it = iter(new)
+        for source in compiled.returns:
+            if source is None:
+                results.append(next(it))
+            elif source == "list":
+                results.append([next(it) for _ in range(compiled.list_len)])
+            else:
+                results.append(vals[source])
+        if not results:
+            return None
+        return results[0] if len(results) == 1 else tuple(results)
+
+    # -- building an executable ------------------------------------------------------------
+    def _meta_args(self, vals):
+        metas = {}
+
+        def meta_of(t):
+            if not isinstance(t, torch.Tensor) or t.device.type != "tpu":
+                return t
+            st = t.untyped_storage()
+            base = metas.get(id(st))
+            if base is None:
+                base = metas[id(st)] = torch.empty(st.nbytes(), dtype=torch.uint8, device="meta")
+            itemsize = t.dtype.itemsize
+            usable = base[: (base.numel() // itemsize) * itemsize]
+            return usable.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+        pos, kw = [], {}
+        for a, v in zip(self.args, vals):
+            if a.kind in (_T, _TOPT) and v is not None:
+                v = meta_of(v)
+            elif a.kind == _TLIST:
+                v = [None if t is None else meta_of(t) for t in v]
+            elif a.kind == _DEVICE and v is not None and torch.device(v).type == "tpu":
+                v = _meta_device
+            if a.kwarg_only:
+                kw[a.name] = v
+            else:
+                pos.append(v)
+        return pos, kw
+
+    def _compile(self, key, vals, arrays, buffers, scalars, device):
+        with self.lock:
+            compiled = self.cache.get(key)
+            if compiled is not None:
+                return compiled
+            metrics.counters["compiles"] += 1
+            compiled = self._build(vals, arrays, buffers, scalars, device)
+            if not self.low.eager:
+                self.cache[key] = compiled
+            return compiled
+
+    def _build(self, vals, arrays, buffers, scalars, device):
+        compiled = _Compiled()
+        pos, kw = self._meta_args(vals)
+        if self.low.eager:
+            meta_out = None
+        elif self.low.meta is not None:
+            meta_out = self.low.meta(*pos, **kw)
+        else:
+            meta_out = self.overload(*pos, **kw)
+            self._resize_outs(vals, pos, kw)
+
+        # Where each return comes from: a fresh output (None) or a mutated argument (its index).
+        returns = [self._aliased_input(r) if r.alias_info is not None and r.alias_info.is_write
+                   else None for r in self.returns]
+        compiled.returns = returns
+        out_specs = [] if meta_out is None else [
+            (tuple(m.shape), _dense_strides(m), m.dtype)
+            for m in self._fresh_meta_outputs(meta_out, returns)]
+        compiled.out_specs = out_specs
+        compiled.list_len = len(out_specs) if returns == [None] and self._returns_list() else 0
+        if compiled.list_len:
+            compiled.returns = ["list"]
+
+        # Tensor slots as the lowering sees them, in schema order.
+        slots = self._slots(vals, buffers)
+        write_targets = self._write_targets(vals, buffers) if self.is_variant or self.low.returns_updates else []
+        compiled.writes = sorted({j for j, *_ in write_targets})
+        low, fargs_idx, argdefs = self.low, self.functional_args, self.args
+        promote = low.promote
+        promote_dtype = None
+        if promote is True and out_specs:
+            promote_dtype = to_jax_dtype(out_specs[0][2])
+        elif promote is True and write_targets:
+            promote_dtype = to_jax_dtype(vals[self.writes[0]].dtype) if argdefs[self.writes[0]].kind == _T else None
+        elif promote == "common":
+            tensors = [m for m in tree_flatten((pos, kw))[0] if isinstance(m, torch.Tensor)]
+            promote_dtype = to_jax_dtype(torch.result_type(*tensors[:2])) if len(tensors) >= 2 else None
+        n_buf = len(arrays)
+        specs = [(shape, stride, to_jax_dtype(dtype)) for shape, stride, dtype in out_specs]
+        check_info = []
+
+        def run(arrays, scalars):
+            scalar_it = iter(scalars)
+            if low.random:
+                args = [key_from_parts(next(scalar_it), next(scalar_it))]
+            else:
+                args = []
+            for i in fargs_idx:
+                a = argdefs[i]
+                if a.kind in (_T, _TOPT):
+                    args.append(_read(slots[i], arrays, scalar_it, promote_dtype))
+                elif a.kind == _TLIST:
+                    args.append([_read(s, arrays, scalar_it, promote_dtype) for s in slots[i]])
+                elif a.kind == _SCALAR:
+                    args.append(None if vals[i] is None else next(scalar_it))
+                elif a.kind == _SCALARLIST:
+                    args.append([next(scalar_it) for _ in vals[i]])
+                else:
+                    args.append(vals[i])
+            registry._trace_state.checks = []
+            result = low.fn(*args)
+            checks = registry._trace_state.checks
+            registry._trace_state.checks = []
+            check_info[:] = [(exc, msg) for _, exc, msg in checks]
+            flat = [r for r in tree_flatten(result)[0] if r is not None]
+            new_arrays = list(arrays)
+            outs = []
+            if write_targets:
+                if low.returns_updates:
+                    fresh_vals, updates = result
+                    flat_updates = tree_flatten(updates)[0]
+                    flat = [r for r in tree_flatten(fresh_vals)[0] if r is not None]
+                else:
+                    flat_updates, flat = flat, []
+                for (j, shape, stride, offset, dtype), value in zip(write_targets, flat_updates):
+                    value = jnp.broadcast_to(jnp.asarray(value), shape)
+                    new_arrays[j] = strided.write(new_arrays[j], shape, stride, offset, dtype, value)
+            if low.eager and not specs:  # data-dependent shapes: the values define them
+                outs = [jnp.asarray(v) for v in flat]
+            for (shape, stride, dtype), value in zip(specs, flat):
+                value = jnp.broadcast_to(jnp.asarray(value).astype(dtype), shape)
+                outs.append(strided.store(value, stride))
+            return outs, [new_arrays[j] for j in compiled.writes], [c for c, _, _ in checks]
+
+        if low.eager:
+            compiled.fn = run
+        else:
+            compiled.fn = jax.jit(run)
+        compiled.n_checks = check_info
+        return compiled
+
+    def _resize_outs(self, vals, pos, kw):
+        # The meta kernel resized the meta `out=` tensors as PyTorch would; do the same to the
+        # real ones, then run again with their new shapes in the key.
+        resized = False
+        for i, a in enumerate(self.args):
+            if not a.is_out or vals[i] is None:
+                continue
+            meta = kw[a.name] if a.kwarg_only else pos[i]
+            real = vals[i]
+            if tuple(meta.shape) != tuple(real.shape) or meta.stride() != real.stride():
+                real.resize_(meta.shape)
+                if meta.stride() != real.stride():
+                    real.as_strided_(meta.shape, meta.stride())
+                resized = True
+        if resized:
+            raise _OutResized
+
+    def _returns_list(self):
+        return len(self.returns) == 1 and str(self.returns[0].type).endswith("[]")
+
+    def _aliased_input(self, ret):
+        # The i-th write-annotated return aliases the i-th mutated argument with the same set.
+        alias = ret.alias_info
+        for i in self.writes:
+            ai = self.overload._schema.arguments[i].alias_info
+            if ai is not None and ai.before_set == alias.before_set:
+                return i
+        return None
+
+    def _fresh_meta_outputs(self, meta_out, returns):
+        if returns and all(r is not None for r in returns):
+            return []
+        if isinstance(meta_out, (tuple, list)):
+            if self._returns_list():
+                return list(meta_out)
+            return [m for m, r in zip(meta_out, returns) if r is None and m is not None]
+        return [meta_out] if isinstance(meta_out, torch.Tensor) else []
+
+    def _slots(self, vals, buffers):
+        slots = {}
+        scalar_pos = [0]
+
+        def slot_of(t):
+            if t is None:
+                return None
+            if not isinstance(t, torch.Tensor):
+                return ("num",)
+            if t.device.type != "tpu":
+                return ("cpu", to_jax_dtype(t.dtype))
+            buf = t.untyped_storage()._tpu
+            j = next(k for k, b in enumerate(buffers) if b is buf)
+            return (j, tuple(t.shape), t.stride(), t.storage_offset(), to_jax_dtype(t.dtype))
+
+        for i, (a, v) in enumerate(zip(self.args, vals)):
+            if a.kind in (_T, _TOPT):
+                slots[i] = slot_of(v)
+            elif a.kind == _TLIST:
+                slots[i] = [slot_of(t) for t in v]
+        return slots
+
+    def _write_targets(self, vals, buffers):
+        targets = []
+        for i in self.writes:
+            v = vals[i]
+            for t in (v if isinstance(v, (list, tuple)) else [v]):
+                buf = t.untyped_storage()._tpu
+                j = next(k for k, b in enumerate(buffers) if b is buf)
+                targets.append((j, tuple(t.shape), t.stride(), t.storage_offset(), to_jax_dtype(t.dtype)))
+        return targets
+
+    def _run_eager(self, compiled, vals, arrays, buffers, scalars, device):
+        metrics.counters["ops"] += 1
+        metrics.counters["syncs"] += 1
+        outs, updated, checks = compiled.fn(arrays, scalars)
+        if checks:
+            self._raise_failed_checks(compiled, checks)
+        if not compiled.out_specs:
+            compiled.out_specs = [
+                (tuple(o.shape), storage.contiguous_strides(o.shape), _torch_dtype(o.dtype))
+                for o in outs]
+        return self._commit(compiled, vals, outs, updated, buffers, device)
+
+
+_int_probe = torch.empty((), dtype=torch.int32, device="meta")
+
+
+def _is_wrapped_number(t):
+    # PyTorch has no Python accessor for the flag; it only changes type promotion for the
+    # 64-bit dtypes Python numbers become, where promotion with an int tensor reveals it.
+    if t.dtype is torch.float64 or t.dtype is torch.complex128:
+        return torch.result_type(_int_probe, t) is not t.dtype
+    return False
+
+
+def _torch_dtype(jdtype):
+    from .._device.dtypes import to_torch_dtype
+    return to_torch_dtype(jdtype)
+
+
+def _read(slot, arrays, scalar_it, promote_dtype):
+    if slot is None:
+        return None
+    if slot[0] == "num":
+        value = next(scalar_it)
+        return value if promote_dtype is None else jnp.asarray(value, promote_dtype)
+    if slot[0] == "cpu":
+        value = jnp.asarray(next(scalar_it), dtype=slot[1])
+    else:
+        j, shape, stride, offset, dtype = slot
+        value = strided.read(arrays[j], shape, stride, offset, dtype)
+    if promote_dtype is not None and value.dtype != promote_dtype:
+        value = value.astype(promote_dtype)
+    return value
+
+
+def _dense_strides(m):
+    """Meta's strides when they describe a dense layout (any dim order), else contiguous."""
+    shape, stride = tuple(m.shape), m.stride()
+    dims = sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: -stride[d])
+    expected = 1
+    for d in reversed(dims):
+        if stride[d] != expected:
+            return storage.contiguous_strides(shape)
+        expected *= shape[d]
+    return stride

@@ -1,0 +1,116 @@
+"""Reading and writing a tensor through its sizes/strides/offset over its storage's JAX array.
+
+These run at trace time inside the per-op executables, so the layout logic costs nothing per
+call once compiled.  Fast paths: the whole storage (a reshape), a contiguous range (a slice),
+a strided pattern that is a sub-lattice of a dense layout (reshape + slice + transpose);
+anything else (overlapping windows) becomes a gather with constant indices.
+"""
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .._device.storage import contiguous_strides
+
+
+def _as_dtype(array, dtype):
+    if array.dtype == dtype:
+        return array
+    src, dst = jnp.dtype(array.dtype).itemsize, jnp.dtype(dtype).itemsize
+    flat = array.reshape(-1)
+    if src == dst:
+        return lax.bitcast_convert_type(flat, dtype)
+    if src > dst:  # one wide element -> several narrow ones
+        return lax.bitcast_convert_type(flat, dtype).reshape(-1)
+    return lax.bitcast_convert_type(flat.reshape(-1, dst // src), dtype)
+
+
+def _from_dtype(value, dtype):
+    """Inverse of `_as_dtype` for writing back into an array of `dtype`."""
+    if value.dtype == dtype:
+        return value
+    src, dst = jnp.dtype(value.dtype).itemsize, jnp.dtype(dtype).itemsize
+    flat = value.reshape(-1)
+    if src == dst:
+        return lax.bitcast_convert_type(flat, dtype)
+    if src > dst:
+        return lax.bitcast_convert_type(flat, dtype).reshape(-1)
+    return lax.bitcast_convert_type(flat.reshape(-1, dst // src), dtype)
+
+
+def is_whole(array_shape, shape, stride, offset):
+    return offset == 0 and tuple(array_shape) == tuple(shape) and tuple(stride) == contiguous_strides(shape)
+
+
+def _gather_indices(shape, stride, offset):
+    idx = np.full((), offset, dtype=np.int64)
+    for n, s in zip(shape, stride):
+        idx = idx[..., None] + np.arange(n, dtype=np.int64) * s
+    return idx
+
+
+def read(array, shape, stride, offset, dtype):
+    shape, stride = tuple(shape), tuple(stride)
+    if array.dtype == dtype and is_whole(array.shape, shape, stride, offset):
+        return array
+    flat = _as_dtype(array, dtype).reshape(-1)
+    n = math.prod(shape)
+    if n == 0:
+        return jnp.zeros(shape, dtype)
+    if stride == contiguous_strides(shape):
+        return lax.slice(flat, (offset,), (offset + n,)).reshape(shape)
+    return _read_strided(flat, shape, stride, offset)
+
+
+def _read_strided(flat, shape, stride, offset):
+    live = [d for d, (n, s) in enumerate(zip(shape, stride)) if n > 1 and s != 0]
+    order = sorted(live, key=lambda d: -stride[d])
+    sizes = [shape[d] for d in order]
+    strides = [stride[d] for d in order]
+    lattice = bool(order) and strides[-1] > 0 and all(
+        strides[k] % strides[k + 1] == 0 and strides[k] >= strides[k + 1] * sizes[k + 1]
+        for k in range(len(order) - 1))
+    if not lattice:
+        if not order:  # every element is the same storage element
+            value = lax.slice(flat, (offset,), (offset + 1,)).reshape((1,) * len(shape))
+            return jnp.broadcast_to(value, shape)
+        return flat[_gather_indices(shape, stride, offset)]
+    span = sizes[0] * strides[0]
+    if offset + span > flat.shape[0]:
+        flat = jnp.pad(flat, (0, offset + span - flat.shape[0]))
+    block = lax.slice(flat, (offset,), (offset + span,))
+    block_shape = [sizes[0]] + [strides[k] // strides[k + 1] for k in range(len(order) - 1)] + [strides[-1]]
+    block = block.reshape(block_shape)
+    block = lax.slice(block, [0] * len(block_shape), sizes + [1]).reshape(sizes)
+    # `block` has dims in `order`; put them back in the tensor's order, then restore the
+    # size-1 and broadcast (stride 0) dims.
+    block = jnp.transpose(block, np.argsort(order))
+    kept_shape = [shape[d] if d in live else 1 for d in range(len(shape))]
+    return jnp.broadcast_to(block.reshape(kept_shape), shape)
+
+
+def write(array, shape, stride, offset, dtype, value):
+    """`array` with the tensor's elements replaced by `value` (already of the tensor's shape)."""
+    shape, stride = tuple(shape), tuple(stride)
+    value = value.astype(dtype)
+    if is_whole(array.shape, shape, stride, offset) and array.dtype == dtype:
+        return value
+    n = math.prod(shape)
+    if n == 0:
+        return array
+    flat = _as_dtype(array, dtype).reshape(-1)
+    if stride == contiguous_strides(shape):
+        flat = lax.dynamic_update_slice(flat, value.reshape(-1), (offset,))
+    else:
+        flat = flat.at[_gather_indices(shape, stride, offset).reshape(-1)].set(value.reshape(-1))
+    return _from_dtype(flat, array.dtype).reshape(array.shape)
+
+
+def store(value, stride):
+    """The storage-ordered array for a fresh output of the given strides (dense, any order)."""
+    shape = value.shape
+    if tuple(stride) == contiguous_strides(shape) or value.ndim < 2:
+        return value
+    order = sorted(range(value.ndim), key=lambda d: (-stride[d], -shape[d]))
+    return jnp.transpose(value, order)

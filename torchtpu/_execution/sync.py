@@ -1,0 +1,19 @@
+"""Waiting for asynchronously dispatched work (torch.tpu.synchronize)."""
+import collections
+import weakref
+
+# Weak references to recent op outputs: holding them would keep freed tensors' memory alive.
+_recent = collections.deque(maxlen=4096)
+
+
+def track(arrays):
+    for a in arrays:
+        _recent.append(weakref.ref(a))
+
+
+def synchronize(index=None):
+    pending = [r() for r in _recent]
+    _recent.clear()
+    for a in pending:
+        if a is not None:
+            a.block_until_ready()

@@ -1,0 +1,108 @@
+"""Tensor factories and random ops (random ops draw from the per-device generator)."""
+import jax
+import jax.numpy as jnp
+
+from .registry import lowering
+
+
+@lowering("aten::arange.start_step")
+def arange(start, end, step=1, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.arange(start, end, step)
+
+
+@lowering("aten::full.default")
+def full(size, fill_value, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.full(tuple(size), fill_value)
+
+
+@lowering("aten::scalar_tensor.default")
+def scalar_tensor(s, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.asarray(s)
+
+
+@lowering("aten::linspace.default")
+def linspace(start, end, steps, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.linspace(start, end, steps)
+
+
+@lowering("aten::eye.default")
+def eye(n, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.eye(n)
+
+
+@lowering("aten::eye.m")
+def eye_m(n, m, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.eye(n, m)
+
+
+def _floating(x):
+    return x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else jnp.float32
+
+
+@lowering("aten::uniform_.default", random=True)
+def uniform_(key, x, low=0.0, high=1.0, generator=None):
+    return jax.random.uniform(key, x.shape, jnp.float32, low, high).astype(x.dtype)
+
+
+@lowering("aten::normal_.default", random=True)
+def normal_(key, x, mean=0.0, std=1.0, generator=None):
+    return (jax.random.normal(key, x.shape, jnp.float32) * std + mean).astype(x.dtype)
+
+
+@lowering("aten::random_.from", random=True)
+def random_from(key, x, low, high=None, generator=None):
+    if high is None:
+        high = 2 ** 63 - 1 if x.dtype == jnp.int64 else int(jnp.iinfo(x.dtype).max) + 1 \
+            if jnp.issubdtype(x.dtype, jnp.integer) else 2 ** 24 + 1
+    return jax.random.randint(key, x.shape, low, high, jnp.int64).astype(x.dtype)
+
+
+@lowering("aten::random_.to", random=True)
+def random_to(key, x, high, generator=None):
+    return jax.random.randint(key, x.shape, 0, high, jnp.int64).astype(x.dtype)
+
+
+@lowering("aten::bernoulli_.float", random=True)
+def bernoulli_float(key, x, p=0.5, generator=None):
+    return jax.random.bernoulli(key, p, x.shape).astype(x.dtype)
+
+
+@lowering("aten::bernoulli_.Tensor", random=True)
+def bernoulli_tensor(key, x, p, generator=None):
+    return jax.random.bernoulli(key, jnp.broadcast_to(p, x.shape)).astype(x.dtype)
+
+
+@lowering("aten::bernoulli.default", random=True)
+def bernoulli(key, p, generator=None):
+    return jax.random.bernoulli(key, p).astype(p.dtype)
+
+
+@lowering("aten::native_dropout.default", random=True)
+def native_dropout(key, x, p, train=None):
+    if not train or p == 0:
+        return x, jnp.ones(x.shape, jnp.bool_)
+    if p == 1:
+        return jnp.zeros_like(x), jnp.zeros(x.shape, jnp.bool_)
+    keep = jax.random.bernoulli(key, 1.0 - p, x.shape)
+    return jnp.where(keep, x / (1.0 - p), 0).astype(x.dtype), keep
+
+
+@lowering("aten::native_dropout_backward.default")
+def native_dropout_backward(grad, mask, scale):
+    return grad * mask * scale
+
+
+@lowering("aten::exponential_.default", random=True)
+def exponential_(key, x, lambd=1.0, generator=None):
+    return (jax.random.exponential(key, x.shape, jnp.float32) / lambd).astype(x.dtype)
+
+
+@lowering("aten::multinomial.default", random=True)
+def multinomial(key, probs, num_samples, replacement=False, generator=None):
+    logits = jnp.log(probs.astype(jnp.float32))
+    if replacement:
+        keys = jax.random.split(key, num_samples)
+        draws = jax.vmap(lambda k: jax.random.categorical(k, logits, axis=-1))(keys)
+        return jnp.moveaxis(draws, 0, -1).astype(jnp.int64)
+    gumbel = jax.random.gumbel(key, logits.shape)
+    return jnp.argsort(-(logits + gumbel), axis=-1)[..., :num_samples].astype(jnp.int64)

@@ -1,0 +1,172 @@
+"""Gather/scatter-style indexing.  JAX clamps or drops out-of-range indices; PyTorch raises,
+so every index is bounds-checked (the op synchronises on the check before committing)."""
+import jax.numpy as jnp
+import numpy as np
+
+from .registry import check, lowering
+
+
+def check_index(idx, size, message="index out of range"):
+    idx = jnp.asarray(idx)
+    if idx.size:
+        check(jnp.all((idx >= -size) & (idx < size)), message, IndexError)
+
+
+def _wrap(idx, size):
+    return jnp.where(idx < 0, idx + size, idx)
+
+
+@lowering("aten::index_select.default")
+def index_select(x, dim, index):
+    size = x.shape[dim] if x.ndim else 1
+    check_index(index, size, "index out of range in self")
+    if x.ndim == 0:
+        return x
+    return jnp.take(x, _wrap(index, size), axis=dim)
+
+
+@lowering("aten::gather.default")
+def gather(x, dim, index, sparse_grad=False):
+    if x.ndim == 0:
+        return x.reshape(index.shape)
+    check_index(index, x.shape[dim], "index out of bounds")
+    # take_along_axis needs matching sizes on the other dims; PyTorch allows index to be smaller
+    sl = tuple(slice(0, n) if d != dim else slice(None) for d, n in enumerate(index.shape))
+    return jnp.take_along_axis(x[sl], _wrap(index, x.shape[dim]), axis=dim)
+
+
+def _scatter_indices(x, dim, index):
+    grids = np.ogrid[tuple(slice(0, n) for n in index.shape)]
+    grids = [jnp.asarray(g) for g in grids]
+    grids[dim] = _wrap(index, x.shape[dim])
+    return tuple(grids)
+
+
+@lowering("aten::scatter.src", "aten::scatter.value")
+def scatter(x, dim, index, src):
+    if x.ndim == 0:
+        return jnp.asarray(src, x.dtype).reshape(()) if jnp.ndim(src) == 0 else src.reshape(())
+    check_index(index, x.shape[dim], "index out of bounds")
+    if jnp.ndim(src) > 0:
+        src = src[tuple(slice(0, n) for n in index.shape)]
+    return x.at[_scatter_indices(x, dim, index)].set(src)
+
+
+@lowering("aten::scatter_add.default")
+def scatter_add(x, dim, index, src):
+    if x.ndim == 0:
+        return x + src.reshape(())
+    check_index(index, x.shape[dim], "index out of bounds")
+    src = src[tuple(slice(0, n) for n in index.shape)]
+    return x.at[_scatter_indices(x, dim, index)].add(src)
+
+
+@lowering("aten::scatter_reduce.two")
+def scatter_reduce(x, dim, index, src, reduce, include_self=True):
+    check_index(index, x.shape[dim], "index out of bounds")
+    src = src[tuple(slice(0, n) for n in index.shape)]
+    idx = _scatter_indices(x, dim, index)
+    if reduce == "sum":
+        base = x if include_self else x.at[idx].set(0)
+        return base.at[idx].add(src)
+    if reduce == "prod":
+        base = x if include_self else x.at[idx].set(1)
+        return base.at[idx].multiply(src)
+    if reduce == "amax":
+        base = x if include_self else x.at[idx].set(jnp.finfo(x.dtype).min if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).min)
+        return base.at[idx].max(src)
+    if reduce == "amin":
+        base = x if include_self else x.at[idx].set(jnp.finfo(x.dtype).max if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).max)
+        return base.at[idx].min(src)
+    if reduce == "mean":
+        ones = jnp.ones_like(src)
+        count = jnp.zeros_like(x).at[idx].add(ones) + (1 if include_self else 0)
+        base = x if include_self else x.at[idx].set(0)
+        total = base.at[idx].add(src)
+        out = jnp.where(count > 0, total / jnp.maximum(count, 1), x)
+        return out.astype(x.dtype) if not jnp.issubdtype(x.dtype, jnp.integer) else jnp.floor_divide(total, jnp.maximum(count, 1)).astype(x.dtype)
+    raise NotImplementedError(f"scatter_reduce with reduce={reduce!r}")
+
+
+@lowering("aten::index_add.default")
+def index_add(x, dim, index, source, alpha=1):
+    size = x.shape[dim] if x.ndim else 1
+    check_index(index, size, "index out of range in self")
+    if x.ndim == 0:
+        return x + alpha * source.reshape(())
+    moved = jnp.moveaxis(x, dim, 0)
+    src = jnp.moveaxis(source, dim, 0) if source.ndim else source
+    return jnp.moveaxis(moved.at[_wrap(index, size)].add(alpha * src), 0, dim)
+
+
+@lowering("aten::index_fill.int_Scalar", "aten::index_fill.int_Tensor")
+def index_fill(x, dim, index, value):
+    size = x.shape[dim] if x.ndim else 1
+    check_index(index, size, "index out of range in self")
+    if x.ndim == 0:
+        return jnp.asarray(value, x.dtype)
+    moved = jnp.moveaxis(x, dim, 0)
+    return jnp.moveaxis(moved.at[_wrap(index, size)].set(jnp.asarray(value, x.dtype)), 0, dim)
+
+
+def _advanced_index(x, indices):
+    """PyTorch advanced indexing with a list of optional index tensors (one per leading dim)."""
+    idx = []
+    for d, i in enumerate(indices):
+        if i is None:
+            idx.append(slice(None))
+        elif i.dtype == jnp.bool_:
+            raise NotImplementedError("boolean masks are handled by the eager index path")
+        else:
+            check_index(i, x.shape[d], f"index out of range in self")
+            idx.append(_wrap(i, x.shape[d]))
+    return tuple(idx)
+
+
+def _has_bool(indices):
+    return any(i is not None and getattr(i, "dtype", None) == jnp.bool_ for i in indices)
+
+
+def _expand_bool(indices):
+    """Boolean masks become their nonzero() integer indices (needs concrete values)."""
+    out = []
+    for i in indices:
+        if i is not None and i.dtype == jnp.bool_:
+            out.extend(jnp.nonzero(i))
+        else:
+            out.append(i)
+    return out
+
+
+@lowering("aten::index.Tensor")
+def index(x, indices):
+    return x[_advanced_index(x, indices)]
+
+
+@lowering("aten::index_put.default")
+def index_put(x, indices, values, accumulate=False):
+    idx = _advanced_index(x, indices)
+    values = values.astype(x.dtype)
+    return x.at[idx].add(values) if accumulate else x.at[idx].set(values)
+
+
+@lowering("aten::masked_scatter.default", eager=True)
+def masked_scatter(x, mask, source):
+    mask = jnp.broadcast_to(mask, x.shape)
+    n = int(jnp.sum(mask))
+    flat = x.reshape(-1).at[jnp.nonzero(mask.reshape(-1))[0]].set(source.reshape(-1)[:n])
+    return flat.reshape(x.shape)
+
+
+# --- data-dependent shapes: these synchronise, exactly as on CUDA ----------------------------
+
+@lowering("aten::nonzero.default", eager=True)
+def nonzero(x):
+    return jnp.stack(jnp.nonzero(x), axis=1).astype(jnp.int64) if x.ndim else \
+        jnp.zeros((1 if bool(x) else 0, 0), jnp.int64)
+
+
+@lowering("aten::masked_select.default", eager=True)
+def masked_select(x, mask):
+    x, mask = jnp.broadcast_arrays(x, mask)
+    return x[mask]

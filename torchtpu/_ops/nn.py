@@ -1,0 +1,226 @@
+"""Neural-network ops and their backward ops (backward lowerings reuse the forward through
+jax.vjp where PyTorch's formula is just the derivative)."""
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .registry import lowering
+
+
+def _float(x):
+    return x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.float32)
+
+
+@lowering("aten::relu.default")
+def relu(x):
+    return jnp.maximum(x, 0)
+
+
+@lowering("aten::threshold.default", promote=True)
+def threshold(x, threshold, value):
+    return jnp.where(x <= threshold, value, x)
+
+
+@lowering("aten::threshold_backward.default", promote=True)
+def threshold_backward(grad, x, threshold):
+    return jnp.where(x <= threshold, 0, grad)
+
+
+def _gelu(x, approximate="none"):
+    return jax.nn.gelu(x, approximate=approximate == "tanh")
+
+
+@lowering("aten::gelu.default")
+def gelu(x, approximate="none"):
+    return _gelu(x, approximate)
+
+
+@lowering("aten::gelu_backward.default")
+def gelu_backward(grad, x, approximate="none"):
+    return jax.vjp(lambda v: _gelu(v, approximate), x)[1](grad)[0]
+
+
+@lowering("aten::silu.default")
+def silu(x):
+    return jax.nn.silu(x)
+
+
+@lowering("aten::silu_backward.default")
+def silu_backward(grad, x):
+    s = jax.nn.sigmoid(x)
+    return grad * s * (1 + x * (1 - s))
+
+
+@lowering("aten::tanh_backward.default")
+def tanh_backward(grad, y):
+    return grad * (1 - y * y)
+
+
+@lowering("aten::sigmoid_backward.default")
+def sigmoid_backward(grad, y):
+    return grad * y * (1 - y)
+
+
+@lowering("aten::leaky_relu.default")
+def leaky_relu(x, negative_slope=0.01):
+    return jnp.where(x > 0, x, x * negative_slope)
+
+
+@lowering("aten::leaky_relu_backward.default")
+def leaky_relu_backward(grad, x, negative_slope, self_is_result):
+    return jnp.where(x > 0, grad, grad * negative_slope)
+
+
+@lowering("aten::elu.default")
+def elu(x, alpha=1, scale=1, input_scale=1):
+    return jnp.where(x > 0, x * scale, alpha * scale * jnp.expm1(x * input_scale))
+
+
+@lowering("aten::hardtanh.default")
+def hardtanh(x, min_val=-1, max_val=1):
+    return jnp.clip(x, min_val, max_val)
+
+
+@lowering("aten::hardtanh_backward.default")
+def hardtanh_backward(grad, x, min_val, max_val):
+    return jnp.where((x <= min_val) | (x >= max_val), 0, grad)
+
+
+@lowering("aten::softplus.default")
+def softplus(x, beta=1, threshold=20):
+    return jnp.where(x * beta > threshold, x, jnp.log1p(jnp.exp(x * beta)) / beta)
+
+
+@lowering("aten::_softmax.default")
+def softmax(x, dim, half_to_float=False):
+    y = jax.nn.softmax(x.astype(jnp.float32) if half_to_float else x, axis=dim)
+    return y
+
+
+@lowering("aten::_log_softmax.default")
+def log_softmax(x, dim, half_to_float=False):
+    return jax.nn.log_softmax(x.astype(jnp.float32) if half_to_float else x, axis=dim)
+
+
+@lowering("aten::_softmax_backward_data.default")
+def softmax_backward(grad, y, dim, input_dtype):
+    return (grad - jnp.sum(grad * y, axis=dim, keepdims=True)) * y
+
+
+@lowering("aten::_log_softmax_backward_data.default")
+def log_softmax_backward(grad, y, dim, input_dtype):
+    return grad - jnp.exp(y) * jnp.sum(grad, axis=dim, keepdims=True)
+
+
+def _layer_norm(x, normalized_shape, weight, bias, eps):
+    axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    xf = x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x
+    mean = jnp.mean(xf, axis=axes, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=axes, keepdims=True)
+    rstd = lax.rsqrt(var + eps)
+    y = ((xf - mean) * rstd).astype(x.dtype)
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return y, mean, rstd
+
+
+@lowering("aten::native_layer_norm.default")
+def native_layer_norm(x, normalized_shape, weight, bias, eps):
+    return _layer_norm(x, normalized_shape, weight, bias, eps)
+
+
+@lowering("aten::native_layer_norm_backward.default")
+def native_layer_norm_backward(grad, x, normalized_shape, mean, rstd, weight, bias, output_mask):
+    def f(x, w, b):
+        return _layer_norm(x, normalized_shape, w, b, 0.0)[0]
+
+    # Recompute with the saved statistics' eps-free form: rstd already folds eps in.
+    axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    xf = x.astype(mean.dtype)
+    xhat = (xf - mean) * rstd
+    g = grad.astype(mean.dtype)
+    gw = g * weight.astype(mean.dtype) if weight is not None else g
+    n = math.prod(x.shape[a] for a in axes)
+    dx = rstd * (gw - jnp.mean(gw, axis=axes, keepdims=True)
+                 - xhat * jnp.mean(gw * xhat, axis=axes, keepdims=True))
+    lead = tuple(range(x.ndim - len(normalized_shape)))
+    dw = jnp.sum(g * xhat, axis=lead) if weight is not None and output_mask[1] else None
+    db = jnp.sum(g, axis=lead) if bias is not None and output_mask[2] else None
+    return (dx.astype(x.dtype) if output_mask[0] else None), dw, db
+
+
+@lowering("aten::embedding.default")
+def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    from .indexing import check_index
+    check_index(indices, weight.shape[0], "index out of range in self")
+    return jnp.take(weight, indices, axis=0)
+
+
+@lowering("aten::embedding_dense_backward.default")
+def embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq):
+    flat_idx = indices.reshape(-1)
+    g = grad.reshape(-1, grad.shape[-1])
+    if padding_idx >= 0:
+        g = jnp.where((flat_idx == padding_idx)[:, None], 0, g)
+    if scale_grad_by_freq:
+        counts = jnp.zeros((num_weights,), g.dtype).at[flat_idx].add(1)
+        g = g / counts[flat_idx][:, None]
+    return jnp.zeros((num_weights, g.shape[-1]), g.dtype).at[flat_idx].add(g)
+
+
+def _nll(x, target, weight, reduction, ignore_index):
+    # x: (N, C, ...) log-probabilities; target: (N, ...)
+    class_dim = 1 if x.ndim > 1 else 0
+    valid = target != ignore_index
+    safe = jnp.where(valid, target, 0)
+    picked = jnp.take_along_axis(x, jnp.expand_dims(safe, class_dim), axis=class_dim)
+    picked = jnp.squeeze(picked, class_dim)
+    w = weight[safe] if weight is not None else jnp.ones_like(picked)
+    w = jnp.where(valid, w, 0)
+    loss = -picked * w
+    if reduction == 0:
+        return loss, jnp.zeros((), x.dtype)
+    total = jnp.sum(w)
+    if reduction == 1:
+        return jnp.sum(loss) / total, total
+    return jnp.sum(loss), total
+
+
+@lowering("aten::nll_loss_forward.default")
+def nll_loss_forward(x, target, weight, reduction, ignore_index):
+    from .indexing import check_index
+    C = x.shape[1] if x.ndim > 1 else x.shape[0]
+    check_index(jnp.where(target == ignore_index, 0, target), C, "Target out of bounds")
+    return _nll(x, target, weight, reduction, ignore_index)
+
+
+@lowering("aten::nll_loss2d_forward.default")
+def nll_loss2d_forward(x, target, weight, reduction, ignore_index):
+    return _nll(x, target, weight, reduction, ignore_index)
+
+
+@lowering("aten::nll_loss_backward.default", "aten::nll_loss2d_backward.default")
+def nll_loss_backward(grad, x, target, weight, reduction, ignore_index, total_weight):
+    f = lambda v: _nll(v, target, weight, reduction, ignore_index)[0]
+    if reduction == 1:
+        # PyTorch divides by the saved total weight, not a recomputed one.
+        f = lambda v: _nll(v, target, weight, 2, ignore_index)[0] / total_weight
+    return jax.vjp(f, x)[1](grad.astype(x.dtype))[0]
+
+
+@lowering("aten::mse_loss.default")
+def mse_loss(x, y, reduction=1):
+    d = jnp.square(x - y)
+    return d if reduction == 0 else jnp.mean(d) if reduction == 1 else jnp.sum(d)
+
+
+@lowering("aten::mse_loss_backward.default")
+def mse_loss_backward(grad, x, y, reduction):
+    scale = 2.0 / x.size if reduction == 1 else 2.0
+    return grad * scale * (x - y)
+
+

@@ -1,0 +1,192 @@
+"""Reductions: dims/keepdim/dtype semantics follow PyTorch (output dtype from the meta kernel)."""
+import jax.numpy as jnp
+from jax import lax
+
+from .registry import lowering
+
+
+def _dims(x, dim):
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return None
+    if isinstance(dim, int):
+        dim = (dim,)
+    return tuple(d % max(x.ndim, 1) for d in dim) if x.ndim else None
+
+
+def _acc_dtype(x, dtype):
+    if dtype is not None:
+        from .._device.dtypes import to_jax_dtype
+        return to_jax_dtype(dtype)
+    if jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_:
+        return jnp.int64
+    return x.dtype
+
+
+@lowering("aten::sum.dim_IntList")
+def sum_dim(x, dim=None, keepdim=False, dtype=None):
+    return jnp.sum(x.astype(_acc_dtype(x, dtype)), axis=_dims(x, dim), keepdims=keepdim)
+
+
+@lowering("aten::sum.default")
+def sum_all(x, dtype=None):
+    return jnp.sum(x.astype(_acc_dtype(x, dtype)))
+
+
+@lowering("aten::mean.dim")
+def mean_dim(x, dim=None, keepdim=False, dtype=None):
+    if dtype is not None:
+        x = x.astype(_acc_dtype(x, dtype))
+    return jnp.mean(x, axis=_dims(x, dim), keepdims=keepdim)
+
+
+@lowering("aten::mean.default")
+def mean_all(x, dtype=None):
+    if dtype is not None:
+        x = x.astype(_acc_dtype(x, dtype))
+    return jnp.mean(x)
+
+
+@lowering("aten::prod.default")
+def prod_all(x, dtype=None):
+    return jnp.prod(x.astype(_acc_dtype(x, dtype)))
+
+
+@lowering("aten::prod.dim_int")
+def prod_dim(x, dim, keepdim=False, dtype=None):
+    return jnp.prod(x.astype(_acc_dtype(x, dtype)), axis=dim, keepdims=keepdim)
+
+
+@lowering("aten::amax.default")
+def amax(x, dim=(), keepdim=False):
+    return jnp.max(x, axis=_dims(x, dim), keepdims=keepdim)
+
+
+@lowering("aten::amin.default")
+def amin(x, dim=(), keepdim=False):
+    return jnp.min(x, axis=_dims(x, dim), keepdims=keepdim)
+
+
+@lowering("aten::max.default")
+def max_all(x):
+    return jnp.max(x)
+
+
+@lowering("aten::min.default")
+def min_all(x):
+    return jnp.min(x)
+
+
+def _arg_extreme(x, dim, keepdim, pick):
+    if x.ndim == 0:
+        return x, jnp.zeros((), jnp.int64)
+    idx = pick(x, axis=dim, keepdims=True)
+    vals = jnp.take_along_axis(x, idx, axis=dim)
+    if not keepdim:
+        vals, idx = jnp.squeeze(vals, dim), jnp.squeeze(idx, dim)
+    return vals, idx.astype(jnp.int64)
+
+
+@lowering("aten::max.dim")
+def max_dim(x, dim, keepdim=False):
+    return _arg_extreme(x, dim, keepdim, jnp.argmax)
+
+
+@lowering("aten::min.dim")
+def min_dim(x, dim, keepdim=False):
+    return _arg_extreme(x, dim, keepdim, jnp.argmin)
+
+
+@lowering("aten::argmax.default")
+def argmax(x, dim=None, keepdim=False):
+    if dim is None:
+        r = jnp.argmax(x.reshape(-1))
+        return r.reshape((1,) * x.ndim) if keepdim else r
+    return jnp.argmax(x, axis=dim, keepdims=keepdim) if x.ndim else jnp.zeros((), jnp.int64)
+
+
+@lowering("aten::argmin.default")
+def argmin(x, dim=None, keepdim=False):
+    if dim is None:
+        r = jnp.argmin(x.reshape(-1))
+        return r.reshape((1,) * x.ndim) if keepdim else r
+    return jnp.argmin(x, axis=dim, keepdims=keepdim) if x.ndim else jnp.zeros((), jnp.int64)
+
+
+@lowering("aten::var.correction")
+def var(x, dim=None, correction=None, keepdim=False):
+    ddof = 1 if correction is None else correction
+    return jnp.var(x, axis=_dims(x, dim), ddof=ddof, keepdims=keepdim)
+
+
+@lowering("aten::var_mean.correction")
+def var_mean(x, dim=None, correction=None, keepdim=False):
+    ddof = 1 if correction is None else correction
+    axis = _dims(x, dim)
+    return jnp.var(x, axis=axis, ddof=ddof, keepdims=keepdim), jnp.mean(x, axis=axis, keepdims=keepdim)
+
+
+@lowering("aten::std.correction")
+def std(x, dim=None, correction=None, keepdim=False):
+    ddof = 1 if correction is None else correction
+    return jnp.std(x, axis=_dims(x, dim), ddof=ddof, keepdims=keepdim)
+
+
+@lowering("aten::any.default")
+def any_all(x):
+    return jnp.any(x)
+
+
+@lowering("aten::all.default")
+def all_all(x):
+    return jnp.all(x)
+
+
+@lowering("aten::any.dim", "aten::any.dims")
+def any_dim(x, dim=None, keepdim=False):
+    return jnp.any(x, axis=_dims(x, dim), keepdims=keepdim)
+
+
+@lowering("aten::all.dim", "aten::all.dims")
+def all_dim(x, dim=None, keepdim=False):
+    return jnp.all(x, axis=_dims(x, dim), keepdims=keepdim)
+
+
+@lowering("aten::logsumexp.default")
+def logsumexp(x, dim, keepdim=False):
+    from jax.scipy.special import logsumexp as lse
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        x = x.astype(jnp.float32)
+    return lse(x, axis=_dims(x, dim), keepdims=keepdim)
+
+
+@lowering("aten::cumsum.default")
+def cumsum(x, dim, dtype=None):
+    if x.ndim == 0:
+        return x.astype(_acc_dtype(x, dtype))
+    return jnp.cumsum(x.astype(_acc_dtype(x, dtype)), axis=dim)
+
+
+@lowering("aten::cumprod.default")
+def cumprod(x, dim, dtype=None):
+    if x.ndim == 0:
+        return x.astype(_acc_dtype(x, dtype))
+    return jnp.cumprod(x.astype(_acc_dtype(x, dtype)), axis=dim)
+
+
+@lowering("aten::linalg_vector_norm.default")
+def vector_norm(x, ord=2, dim=None, keepdim=False, dtype=None):
+    if dtype is not None:
+        x = x.astype(_acc_dtype(x, dtype))
+    axis = _dims(x, dim)
+    ax = jnp.abs(x)
+    if ord == float("inf"):
+        return jnp.max(ax, axis=axis, keepdims=keepdim)
+    if ord == float("-inf"):
+        return jnp.min(ax, axis=axis, keepdims=keepdim)
+    if ord == 0:
+        return jnp.sum((ax != 0).astype(ax.dtype), axis=axis, keepdims=keepdim)
+    if ord == 1:
+        return jnp.sum(ax, axis=axis, keepdims=keepdim)
+    if ord == 2:
+        return jnp.sqrt(jnp.sum(ax * ax, axis=axis, keepdims=keepdim))
+    return jnp.sum(ax ** ord, axis=axis, keepdims=keepdim) ** (1.0 / ord)

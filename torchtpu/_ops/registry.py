@@ -1,0 +1,101 @@
+"""The lowering table: one entry per aten overload, shared by every execution path.
+
+A lowering is a pure JAX function of the op's functional arguments in schema order: tensors
+arrive as JAX arrays already read through their views, `Scalar` arguments as (traced) numbers,
+everything else (sizes, dims, flags, dtypes) as static Python values.  It returns the op's
+outputs.  The registry derives the in-place (`add_`) and `out=` variants from the functional
+overload, so an op is written once:
+
+    @lowering("aten::add.Tensor", promote=True)
+    def add(x, y, alpha=1):
+        return x + alpha * y
+"""
+import dataclasses
+import threading
+from typing import Callable, Optional
+
+import torch
+
+# OpOverload -> (Lowering, the functional overload it computes), for every overload we run
+TABLE = {}
+
+
+@dataclasses.dataclass
+class Lowering:
+    fn: Callable
+    # Cast tensor inputs before calling `fn`: True = to the first output's dtype (arithmetic),
+    # "common" = to torch.result_type of the inputs (comparisons), None = leave them.
+    promote: object = None
+    # Scalar-typed arguments that must be compile-time constants (their value changes the
+    # program, e.g. an integer exponent); every other Scalar is a traced argument.
+    static: tuple = ()
+    # The op reads device values to decide its output (data-dependent shapes): it gets
+    # concrete arrays and runs outside jit.
+    eager: bool = False
+    # Custom output metadata when the op has no meta kernel: fn(*meta_args) -> meta result.
+    meta: Optional[Callable] = None
+    # Overloads written by PyTorch as mutating with no functional twin: the lowering returns
+    # (outputs, new values of the mutated arguments in schema order).
+    returns_updates: bool = False
+    # Pass the PRNG key as the first argument (random ops).
+    random: bool = False
+    # The program depends on torch.get_float32_matmul_precision() (matmuls, convolutions).
+    precision: bool = False
+
+
+def overload_of(name):
+    ns, rest = name.split("::")
+    op, _, ov = rest.partition(".")
+    packet = getattr(getattr(torch.ops, ns), op)
+    return getattr(packet, ov or "default")
+
+
+def _arg_signature(schema, skip_out=False):
+    return [(a.name, str(a.type)) for a in schema.arguments
+            if not (skip_out and a.is_out)]
+
+
+def variants(functional):
+    """The in-place and out= overloads computing the same thing as `functional`."""
+    schema = functional._schema
+    base = schema.name.split("::")[1]
+    ns = schema.name.split("::")[0]
+    sig = _arg_signature(schema)
+    found = []
+    inplace_packet = getattr(getattr(torch.ops, ns), base + "_", None)
+    if inplace_packet is not None and not base.endswith("_"):
+        ov = getattr(inplace_packet, schema.overload_name or "default", None)
+        if ov is not None and [t for _, t in _arg_signature(ov._schema)][1:] == [t for _, t in sig][1:]:
+            found.append(ov)
+    packet = getattr(getattr(torch.ops, ns), base)
+    for name in packet.overloads():
+        ov = getattr(packet, name)
+        s = ov._schema
+        if any(a.is_out for a in s.arguments) and _arg_signature(s, skip_out=True) == sig:
+            found.append(ov)
+    return found
+
+
+def lowering(*names, variants_too=True, **options):
+    """Register `fn` as the lowering of each named functional overload (and its variants)."""
+    def deco(fn):
+        low = Lowering(fn, **options)
+        for name in names:
+            ov = overload_of(name)
+            TABLE[ov] = (low, ov)
+            if variants_too:
+                for var in variants(ov):
+                    TABLE.setdefault(var, (low, ov))
+        return fn
+    return deco
+
+
+_trace_state = threading.local()
+
+
+def check(ok, message, exc_type=IndexError):
+    """Inside a lowering: raise `exc_type(message)` from the op unless `ok` (a traced bool).
+
+    The executable returns the predicate; the op synchronises on it before committing any
+    output, so a failing op leaves every tensor unchanged (JAX itself would clamp or drop)."""
+    _trace_state.checks.append((ok, exc_type, message))

@@ -1,0 +1,95 @@
+"""Moving values between the host and devices: copy_, .item(), resize_."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from .._device import runtime, storage
+from .._device.dtypes import numpy_to_tensor, tensor_to_numpy, to_jax_dtype
+from .._execution import metrics, strided
+
+aten = torch.ops.aten
+
+
+@functools.lru_cache(maxsize=None)
+def _reader(shape, stride, offset, dtype):
+    return jax.jit(lambda a: strided.read(a, shape, stride, offset, dtype))
+
+
+def value_of(t):
+    """The JAX array of a tpu tensor's logical value (through its view)."""
+    buf = storage.buffer_of(t)
+    arr = buf.value()
+    shape, stride, offset = tuple(t.shape), t.stride(), t.storage_offset()
+    jdtype = to_jax_dtype(t.dtype)
+    if arr.dtype == jdtype and strided.is_whole(arr.shape, shape, stride, offset):
+        return arr
+    return _reader(shape, tuple(stride), offset, jdtype)(arr)
+
+
+def to_host(t):
+    """A tpu tensor's value as a new contiguous CPU tensor (synchronises)."""
+    metrics.counters["device_to_host"] += 1
+    a = np.array(jax.device_get(value_of(t)))  # writable: torch.from_numpy shares it
+    return numpy_to_tensor(np.ascontiguousarray(a), t.dtype).reshape(t.shape)
+
+
+def from_host(cpu, index):
+    """A new contiguous tpu tensor holding a CPU tensor's values."""
+    metrics.counters["host_to_device"] += 1
+    cpu = cpu.detach().resolve_conj().resolve_neg().contiguous()
+    arr = jax.device_put(tensor_to_numpy(cpu), runtime.jax_device(index))
+    return storage.wrap(arr, tuple(cpu.shape), storage.contiguous_strides(cpu.shape), cpu.dtype, index)
+
+
+def _copy_(self, src, non_blocking=False):
+    from .._execution.kernels import kernel_for
+    if self.device.type != "tpu":  # device -> host
+        if self.numel() == 0 and src.numel() == 0:
+            return self
+        return self.copy_(to_host(src), non_blocking)
+    if src.device.type != "tpu":  # host -> device
+        src = from_host(src, self.device.index)
+    elif src.device.index != self.device.index:  # device -> device
+        moved = jax.device_put(value_of(src), runtime.jax_device(self.device.index))
+        src = storage.wrap(moved, tuple(src.shape), storage.contiguous_strides(src.shape),
+                           src.dtype, self.device.index)
+    return kernel_for(aten.copy_.default)(self, src, non_blocking)
+
+
+def _local_scalar_dense(self):
+    metrics.counters["device_to_host"] += 1
+    return np.asarray(jax.device_get(value_of(self))).reshape(()).item()
+
+
+def _resize_(self, size, memory_format=None):
+    shape = [int(n) for n in size]
+    if memory_format in (None, torch.contiguous_format, torch.preserve_format):
+        stride = storage.contiguous_strides(shape)
+    else:
+        stride = torch.empty(shape, device="meta", memory_format=memory_format).stride()
+    offset = self.storage_offset()
+    needed = storage.storage_numel(shape, stride, offset) * self.dtype.itemsize
+    st = self.untyped_storage()
+    if needed > st.nbytes():
+        # Storages cannot grow in place: move the old bytes into a larger buffer and repoint
+        # this tensor (as PyTorch does when it reallocates).
+        old = st._tpu
+        jdtype = to_jax_dtype(self.dtype)
+        items = needed // self.dtype.itemsize
+        if old.array is None or old.dtype != jdtype:
+            array = None
+        else:
+            flat = old.array.reshape(-1)
+            array = jnp.concatenate([flat, jnp.zeros((items - flat.shape[0],), jdtype)])
+        st = storage.new_storage(needed, self.device.index, array, jdtype)
+    storage.set_storage(self, st, offset, shape, stride)
+    return self
+
+
+def register(lib):
+    lib.impl(aten.copy_.default, _copy_, "PrivateUse1")
+    lib.impl(aten._local_scalar_dense.default, _local_scalar_dense, "PrivateUse1")
+    lib.impl(aten.resize_.default, _resize_, "PrivateUse1")
