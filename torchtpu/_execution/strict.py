@@ -377,7 +377,7 @@ class OpKernel:
             raise _OutResized
 
     def _returns_list(self):
-        return len(self.returns) == 1 and str(self.returns[0].type).endswith("[]")
+        return len(self.returns) == 1 and isinstance(self.returns[0].type, torch.ListType)
 
     def _aliased_input(self, ret):
         # The i-th write-annotated return aliases the i-th mutated argument with the same set.

@@ -7,20 +7,15 @@ from .._device import runtime, storage
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 aten = torch.ops.aten
 
-# Overloads whose CPU kernel only rewrites TensorImpl metadata.
+# View/metadata overloads that PyTorch implements per backend (CPU, CUDA, ...) rather than as
+# composites.  Every other view op (transpose, select, expand, detach, alias...) is a C++
+# composite over these and must stay unregistered: a tensor returned by a Python kernel already
+# has a Python object, which `nn.Parameter(t.detach())` and friends refuse.
 METADATA_OPS = [
-    aten.view.default, aten.as_strided.default, aten._reshape_alias.default, aten.alias.default,
-    aten.unfold.default, aten.view.dtype, aten._unsafe_view.default,
+    aten.view.default, aten.as_strided.default, aten._reshape_alias.default, aten.unfold.default,
     aten.set_.source_Storage, aten.set_.source_Storage_storage_offset, aten.set_.source_Tensor,
-    aten.set_.default, aten.as_strided_.default,
-    aten.view_as_real.default, aten.view_as_complex.default, aten._conj.default,
-    aten._neg_view.default, aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims,
-    aten.unsqueeze.default, aten.transpose.int, aten.permute.default, aten.t.default,
-    aten.expand.default, aten.select.int, aten.slice.Tensor, aten.diagonal.default,
-    aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.narrow.default,
-    aten.chunk.default, aten.detach.default, aten.lift_fresh.default,
-    aten.squeeze_.default, aten.squeeze_.dim, aten.unsqueeze_.default, aten.transpose_.default,
-    aten.t_.default, aten.view_as.default, aten.real.default, aten.imag.default,
+    aten.set_.default, aten.as_strided_.default, aten.view_as_real.default,
+    aten.view_as_complex.default,
 ]
 
 
