@@ -43,17 +43,17 @@ def _classify(schema, static_scalars):
         x.is_write = a.alias_info is not None and a.alias_info.is_write
         x.is_out = a.is_out
         t = str(a.type)
-        if t in ("Tensor", "Tensor(a)", "Tensor(a!)") or t.startswith("Tensor(") and not t.endswith("[]"):
+        if t == "Tensor":
             x.kind = _T
-        elif t == "Tensor?":
+        elif t == "Optional[Tensor]":
             x.kind = _TOPT
-        elif t.startswith("Tensor") and t.endswith("[]") or t in ("List[Tensor]", "List[Optional[Tensor]]"):
+        elif t in ("List[Tensor]", "List[Optional[Tensor]]"):
             x.kind = _TLIST
-        elif t in ("Scalar", "Scalar?", "number") and a.name not in static_scalars:
+        elif t in ("number", "Optional[number]") and a.name not in static_scalars:
             x.kind = _SCALAR
-        elif t in ("Scalar[]", "List[Scalar]"):
+        elif t == "List[number]" and a.name not in static_scalars:
             x.kind = _SCALARLIST
-        elif t in ("Device?", "Device"):
+        elif t in ("Device", "Optional[Device]"):
             x.kind = _DEVICE
         else:
             x.kind = _STATIC

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from .registry import lowering
 
 
-@lowering("aten::arange.start_step")
+@lowering("aten::arange.start_step", "aten::arange.start_out", static=("start", "end", "step"))
 def arange(start, end, step=1, dtype=None, layout=None, device=None, pin_memory=None):
     return jnp.arange(start, end, step)
 
@@ -20,7 +20,7 @@ def scalar_tensor(s, dtype=None, layout=None, device=None, pin_memory=None):
     return jnp.asarray(s)
 
 
-@lowering("aten::linspace.default")
+@lowering("aten::linspace.default", static=("start", "end"))
 def linspace(start, end, steps, dtype=None, layout=None, device=None, pin_memory=None):
     return jnp.linspace(start, end, steps)
 
