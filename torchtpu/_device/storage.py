@@ -115,8 +115,8 @@ def _empty_on(index, shape, dtype):
 
 def wrap(array, shape, stride, dtype, index, nbytes=None, offset=0):
     """A new tpu tensor over a new storage that owns `array` (storage-ordered elements)."""
-    shape = list(shape)
     if nbytes is None:
+        shape = list(shape)
         nbytes = storage_numel(shape, stride, offset) * dtype.itemsize
     t = _empty_on(index, shape, dtype)
     storage = new_storage(nbytes, index, array, to_jax_dtype(dtype))

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten
 from .._device import runtime, storage
 from .._device.dtypes import to_jax_dtype
 from .._ops import registry
-from . import metrics, strided
+from . import metrics, strided, sync
 from .random import next_key_parts, key_from_parts
 
 _T, _TOPT, _TLIST, _SCALAR, _STATIC, _DEVICE, _SCALARLIST = range(7)
@@ -72,7 +72,7 @@ class _OutResized(Exception):
 
 
 class _Compiled:
-    __slots__ = ("fn", "out_specs", "writes", "n_checks", "returns", "list_len")
+    __slots__ = ("fn", "out_specs", "wrap_specs", "writes", "n_checks", "returns", "list_len")
 
 
 def _device_mismatch(a, b):
@@ -167,7 +167,7 @@ class OpKernel:
         if self.low.eager:
             return self._run_eager(compiled, vals, arrays, buffers, scalars, device)
         metrics.counters["ops"] += 1
-        outs, updated, checks = compiled.fn(arrays, scalars)
+        outs, updated, checks = compiled.fn(*arrays, *scalars)
         if checks:
             self._raise_failed_checks(compiled, checks)
         return self._commit(compiled, vals, outs, updated, buffers, device)
@@ -178,28 +178,27 @@ class OpKernel:
             key.append(type(t))
             scalars.append(t)
             return device
-        tdev = t.device
-        if tdev.type == "tpu":
-            index = tdev.index
+        buf = getattr(t.untyped_storage(), "_tpu", None)
+        if buf is not None:
+            index = buf.index
             if device is None:
                 device = index
             elif device != index:
-                raise _device_mismatch(f"tpu:{device}", tdev)
-            buf = t.untyped_storage()._tpu
+                raise _device_mismatch(f"tpu:{device}", t.device)
             for j, b in enumerate(buffers):
                 if b is buf:
                     break
             else:
                 j = len(buffers)
                 buffers.append(buf)
-                arrays.append(buf.value())
-            key.append((t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), j))
-        elif t.dim() == 0 and tdev.type == "cpu":
+                arrays.append(buf.array if buf.array is not None else buf.value())
+            key.append((t.dtype, t.shape, t.stride(), t.storage_offset(), j))
+        elif t.dim() == 0 and t.device.type == "cpu":
             # A 0-dim CPU tensor mixes with device tensors (as with CUDA): its value is traced.
             key.append(("cpu", t.dtype, _is_wrapped_number(t)))
             scalars.append(t.item())
         else:
-            raise _device_mismatch(f"tpu:{device if device is not None else runtime.current_device()}", tdev)
+            raise _device_mismatch(f"tpu:{device if device is not None else runtime.current_device()}", t.device)
         return device
 
     def _raise_failed_checks(self, compiled, checks):
@@ -210,8 +209,12 @@ class OpKernel:
     def _commit(self, compiled, vals, outs, updated, buffers, device):
         for j, arr in zip(compiled.writes, updated):
             buffers[j].array = arr
-        new = [storage.wrap(arr, shape, stride, dtype, device)
-               for arr, (shape, stride, dtype) in zip(outs, compiled.out_specs)]
+        new = [storage.wrap(arr, shape, stride, dtype, device, nbytes)
+               for arr, (shape, stride, dtype, nbytes) in zip(outs, compiled.wrap_specs)]
+        if outs:
+            sync.track(outs[0])
+        elif updated:
+            sync.track(updated[0])
         return self._returns(compiled, vals, new)
 
     def _returns(self, compiled, vals, new):
@@ -287,6 +290,7 @@ class OpKernel:
             (tuple(m.shape), _dense_strides(m), m.dtype)
             for m in self._fresh_meta_outputs(meta_out, returns)]
         compiled.out_specs = out_specs
+        compiled.wrap_specs = _wrap_specs(out_specs)
         compiled.list_len = len(out_specs) if returns == [None] and self._returns_list() else 0
         if compiled.list_len:
             compiled.returns = ["list"]
@@ -309,8 +313,9 @@ class OpKernel:
         specs = [(shape, stride, to_jax_dtype(dtype)) for shape, stride, dtype in out_specs]
         check_info = []
 
-        def run(arrays, scalars):
-            scalar_it = iter(scalars)
+        def run(*dyn):
+            arrays = dyn[:n_buf]
+            scalar_it = iter(dyn[n_buf:])
             if low.random:
                 args = [key_from_parts(next(scalar_it), next(scalar_it))]
             else:
@@ -432,13 +437,14 @@ class OpKernel:
     def _run_eager(self, compiled, vals, arrays, buffers, scalars, device):
         metrics.counters["ops"] += 1
         metrics.counters["syncs"] += 1
-        outs, updated, checks = compiled.fn(arrays, scalars)
+        outs, updated, checks = compiled.fn(*arrays, *scalars)
         if checks:
             self._raise_failed_checks(compiled, checks)
         if not compiled.out_specs:
             compiled.out_specs = [
                 (tuple(o.shape), storage.contiguous_strides(o.shape), _torch_dtype(o.dtype))
                 for o in outs]
+            compiled.wrap_specs = _wrap_specs(compiled.out_specs)
         return self._commit(compiled, vals, outs, updated, buffers, device)
 
 
@@ -472,6 +478,12 @@ def _read(slot, arrays, scalar_it, promote_dtype):
     if promote_dtype is not None and value.dtype != promote_dtype:
         value = value.astype(promote_dtype)
     return value
+
+
+def _wrap_specs(out_specs):
+    return [(list(shape), list(stride), dtype,
+             storage.storage_numel(shape, stride) * dtype.itemsize)
+            for shape, stride, dtype in out_specs]
 
 
 def _dense_strides(m):

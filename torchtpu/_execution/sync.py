@@ -6,9 +6,8 @@ import weakref
 _recent = collections.deque(maxlen=4096)
 
 
-def track(arrays):
-    for a in arrays:
-        _recent.append(weakref.ref(a))
+def track(array):
+    _recent.append(weakref.ref(array))
 
 
 def synchronize(index=None):

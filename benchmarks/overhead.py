@@ -1,0 +1,73 @@
+"""Per-op overhead: a chain of small elementwise ops on tpu (strict eager) vs native torch CPU
+eager vs the same ops as cached jax.jit calls written directly in JAX.
+
+    python benchmarks/overhead.py [--ops 2000] [--size 64]
+"""
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import torch
+
+import torchtpu  # noqa: F401
+
+
+def chain_torch(x, n):
+    for i in range(n // 2):
+        x = x * 1.0001
+        x = x + 0.0001
+    return x
+
+
+def timed(fn, repeats=3):
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--ops", type=int, default=2000)
+    p.add_argument("--size", type=int, default=64)
+    a = p.parse_args()
+    n = a.ops
+
+    x_cpu = torch.randn(a.size, a.size)
+    x_tpu = x_cpu.to("tpu")
+
+    def run_tpu():
+        y = chain_torch(x_tpu, n)
+        torch.tpu.synchronize()
+        return y
+
+    mul = jax.jit(lambda x, s: x * s)
+    add = jax.jit(lambda x, s: x + s)
+    xj = jnp.asarray(x_cpu.numpy())
+
+    def run_jax():
+        y = xj
+        for i in range(n // 2):
+            y = mul(y, 1.0001)
+            y = add(y, 0.0001)
+        y.block_until_ready()
+        return y
+
+    run_tpu(), run_jax(), chain_torch(x_cpu, n)  # warm-up: compile and cache
+    t_tpu = timed(run_tpu) / n * 1e6
+    t_cpu = timed(lambda: chain_torch(x_cpu, n)) / n * 1e6
+    t_jax = timed(run_jax) / n * 1e6
+    assert torch.allclose(run_tpu().cpu(), chain_torch(x_cpu, n), rtol=1e-4, atol=1e-5)
+    print(f"chain of {n} elementwise ops on {a.size}x{a.size} float32")
+    print(f"  tpu strict eager : {t_tpu:8.2f} us/op")
+    print(f"  torch CPU eager  : {t_cpu:8.2f} us/op")
+    print(f"  jax.jit per op   : {t_jax:8.2f} us/op")
+    print(f"  ratio tpu / torch CPU : {t_tpu / t_cpu:6.2f}x")
+    print(f"  ratio tpu / jax.jit   : {t_tpu / t_jax:6.2f}x   (target <= 1.5x)")
+
+
+if __name__ == "__main__":
+    main()
