@@ -43,7 +43,3 @@ def metrics():
 def reset_metrics():
     from ._execution import metrics as m
     m.reset()
-
-
-def _autoload():
-    """Entry point for PyTorch's device-backend autoload (`torch.backends` entry points)."""

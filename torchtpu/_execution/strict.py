@@ -310,6 +310,11 @@ class OpKernel:
             tensors = [m for m in tree_flatten((pos, kw))[0] if isinstance(m, torch.Tensor)]
             promote_dtype = to_jax_dtype(torch.result_type(*tensors[:2])) if len(tensors) >= 2 else None
         n_buf = len(arrays)
+        # Only plain values may be captured: a captured tensor would never be freed.
+        consts = {i: (vals[i] if argdefs[i].kind == _STATIC else
+                      len(vals[i]) if argdefs[i].kind == _SCALARLIST else vals[i] is None)
+                  for i in fargs_idx if argdefs[i].kind in (_STATIC, _SCALAR, _SCALARLIST, _DEVICE)}
+        consts.update({i: vals[i] for i in fargs_idx if argdefs[i].kind == _DEVICE})
         specs = [(shape, stride, to_jax_dtype(dtype)) for shape, stride, dtype in out_specs]
         check_info = []
 
@@ -327,11 +332,11 @@ class OpKernel:
                 elif a.kind == _TLIST:
                     args.append([_read(s, arrays, scalar_it, promote_dtype) for s in slots[i]])
                 elif a.kind == _SCALAR:
-                    args.append(None if vals[i] is None else next(scalar_it))
+                    args.append(None if consts[i] else next(scalar_it))
                 elif a.kind == _SCALARLIST:
-                    args.append([next(scalar_it) for _ in vals[i]])
+                    args.append([next(scalar_it) for _ in range(consts[i])])
                 else:
-                    args.append(vals[i])
+                    args.append(consts[i])
             registry._trace_state.checks = []
             result = low.fn(*args)
             checks = registry._trace_state.checks

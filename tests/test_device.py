@@ -1,0 +1,183 @@
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import torchtpu
+
+
+def run_python(code, env=None):
+    e = dict(os.environ)
+    e.update(env or {})
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                       text=True, env=e, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def test_backend_is_renamed_and_module_installed():
+    assert torch._C._get_privateuse1_backend_name() == "tpu"
+    assert torch.tpu.is_available()
+    assert torch.tpu.device_count() >= 1
+    assert torch.tpu.current_device() == 0
+    assert torch.tpu.is_initialized()
+    x = torch.ones(2, device="tpu")
+    assert x.device == torch.device("tpu", 0)
+    assert x.is_tpu and not torch.ones(1).is_tpu
+    assert type(x) is torch.Tensor
+
+
+def test_import_twice_is_harmless():
+    import importlib
+    importlib.reload(torchtpu)
+    assert (torch.ones(2, device="tpu") + 1).cpu().tolist() == [2.0, 2.0]
+
+
+def test_tensor_and_module_helpers():
+    t = torch.arange(3.0).tpu()
+    assert t.device.type == "tpu"
+    m = torch.nn.Linear(2, 2).tpu()
+    assert m.weight.device.type == "tpu" and isinstance(m.weight, torch.nn.Parameter)
+
+
+def test_accelerator_reports_tpu():
+    assert torch.accelerator.current_accelerator().type == "tpu"
+
+
+def test_device_properties_and_names():
+    props = torch.tpu.get_device_properties(0)
+    assert props.platform in ("cpu", "gpu", "tpu")
+    assert isinstance(torch.tpu.get_device_name(), str)
+
+
+def test_device_context_manager_restores():
+    with torch.tpu.device(0):
+        assert torch.tpu.current_device() == 0
+    assert torch.tpu.current_device() == 0
+    with pytest.raises(RuntimeError):
+        torch.tpu.set_device(99)
+
+
+def test_rng_seeding_is_reproducible():
+    torch.manual_seed(123)
+    a = torch.randn(5, device="tpu").cpu()
+    torch.tpu.manual_seed(123)
+    b = torch.randn(5, device="tpu").cpu()
+    assert torch.equal(a, b)
+    state = torch.tpu.get_rng_state()
+    c = torch.rand(4, device="tpu").cpu()
+    torch.tpu.set_rng_state(state)
+    d = torch.rand(4, device="tpu").cpu()
+    assert torch.equal(c, d)
+    assert torch.tpu.initial_seed() == 123
+    assert not torch.equal(torch.rand(4, device="tpu").cpu(), d)
+
+
+def test_random_distributions_are_plausible():
+    x = torch.randn(20000, device="tpu").cpu()
+    assert abs(x.mean()) < 0.05 and abs(x.std() - 1) < 0.05
+    u = torch.rand(20000, device="tpu").cpu()
+    assert u.min() >= 0 and u.max() < 1 and abs(u.mean() - 0.5) < 0.02
+    r = torch.randint(3, 7, (1000,), device="tpu").cpu()
+    assert r.dtype == torch.int64 and r.min() == 3 and r.max() == 6
+    b = torch.bernoulli(torch.full((20000,), 0.3, device="tpu")).cpu()
+    assert abs(b.mean() - 0.3) < 0.02
+
+
+def test_memory_is_released_when_tensors_die():
+    torch.tpu.synchronize()
+    base = torch.tpu.memory_allocated()
+    x = torch.empty(1024, 1024, device="tpu")
+    assert torch.tpu.memory_allocated() >= base + 4 * 1024 * 1024
+    del x
+    assert torch.tpu.memory_allocated() == base
+    for _ in range(10000):
+        y = torch.ones(256, device="tpu") * 2
+    del y
+    assert torch.tpu.memory_allocated() == base
+    assert torch.tpu.max_memory_allocated() >= base + 4 * 1024 * 1024
+    torch.tpu.reset_peak_memory_stats()
+    assert torch.tpu.max_memory_allocated() == base
+    stats = torch.tpu.memory_stats()
+    assert stats["allocated_bytes.all.current"] == base
+    torch.tpu.empty_cache()
+
+
+def test_views_keep_storage_alive():
+    base = torch.tpu.memory_allocated()
+    v = torch.arange(10.0, device="tpu")[2:5]
+    assert torch.tpu.memory_allocated() == base + 40
+    assert v.cpu().tolist() == [2.0, 3.0, 4.0]
+    del v
+    assert torch.tpu.memory_allocated() == base
+
+
+def test_precision_follows_torch_setting():
+    assert torch.tpu.get_precision() == torch.tpu.Precision.HIGHEST
+    a = torch.randn(64, 64)
+    with torch.tpu.precision(torch.tpu.Precision.HIGH):
+        assert torch.get_float32_matmul_precision() == "high"
+        (a.tpu() @ a.tpu()).cpu()
+    assert torch.get_float32_matmul_precision() == "highest"
+    torch.testing.assert_close((a.tpu() @ a.tpu()).cpu(), a @ a, rtol=1e-5, atol=1e-4)
+
+
+def test_synchronize_waits():
+    x = torch.randn(128, 128, device="tpu")
+    for _ in range(10):
+        x = x @ x / 128
+    torch.tpu.synchronize()
+    torch.tpu.synchronize(0)
+
+
+def test_info_command():
+    out = run_python("import runpy, sys; sys.argv=['torchtpu','info']; runpy.run_module('torchtpu', run_name='__main__')")
+    assert "platform" in out and "tpu:0" in out
+
+
+def test_multiple_devices_and_cross_device_copies():
+    out = run_python("""
+        import torch, torchtpu
+        assert torch.tpu.device_count() == 4, torch.tpu.device_count()
+        a = torch.arange(6.0).reshape(2, 3).to("tpu:2")
+        assert a.device == torch.device("tpu", 2)
+        b = (a * 2).to("tpu:3")
+        assert b.device.index == 3 and b.cpu().tolist() == [[0, 2, 4], [6, 8, 10]]
+        with torch.tpu.device(1):
+            c = torch.ones(2, device="tpu")
+            assert c.device.index == 1
+        try:
+            a + b
+        except RuntimeError as e:
+            assert "same device" in str(e)
+        else:
+            raise AssertionError("no error")
+        print("ok")
+    """, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+    assert "ok" in out
+
+
+def test_autoload_through_plain_import_torch():
+    out = run_python("""
+        import torch
+        x = torch.ones(2, device="tpu")
+        print(x.device)
+    """)
+    assert "tpu:0" in out
+
+
+def test_autoload_can_be_disabled():
+    out = run_python("""
+        import torch
+        print(torch._C._get_privateuse1_backend_name())
+    """, env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    assert "privateuseone" in out
+
+
+def test_platform_choice_env():
+    out = run_python("import torch, torchtpu; print(torchtpu._runtime.platform())",
+                     env={"TORCHTPU_PLATFORM": "cpu"})
+    assert out.strip() == "cpu"
