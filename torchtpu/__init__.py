@@ -12,17 +12,20 @@ from ._device import runtime as _runtime
 __version__ = "0.1.0"
 
 _registration.register_backend(_module)
+if not hasattr(torch.tpu, "_torchtpu_library"):
+    from ._device import serialization as _serialization
+    _serialization.register()
 
 
 def _install_kernels():
     from . import _ops
     from ._execution import fallback, kernels
-    from ._ops import transfer, views
+    from ._ops import masks, transfer, views
 
     lib = torch.library.Library("aten", "IMPL")
     views.register(lib)
     transfer.register(lib)
-    manual = {torch.ops.aten.copy_.default}
+    manual = {torch.ops.aten.copy_.default} | masks.register(lib)
     kernels.register_table(lib, skip=manual)
     fallback_lib = torch.library.Library("_", "IMPL")
     fallback.register(fallback_lib)

@@ -52,9 +52,10 @@ def memory_stats_for(index):
 class DeviceBuffer:
     """The device memory behind one storage: a JAX array (or None until first written)."""
 
-    __slots__ = ("array", "nbytes", "index", "dtype")
+    __slots__ = ("array", "nbytes", "index", "dtype", "from_bytes")
 
     def __init__(self, array, nbytes, index, dtype):
+        self.from_bytes = False  # raw bytes from torch.load, not yet given their dtype
         self.array = array
         self.nbytes = nbytes
         self.index = index
@@ -79,6 +80,22 @@ class DeviceBuffer:
             a = self.array = jax.device_put(
                 jnp.zeros((self.nbytes // itemsize,), self.dtype), runtime.jax_device(self.index))
         return a
+
+
+def retype_loaded(buf, dtype):
+    """Give bytes restored by torch.load the element type of the tensor rebuilt on them, so
+    later ops read them without a per-op bitcast."""
+    import numpy as np
+    from jax import lax
+    jdtype = to_jax_dtype(dtype)
+    itemsize = np.dtype(jdtype).itemsize
+    buf.from_bytes = False
+    if buf.array is None or buf.nbytes % itemsize or jdtype == buf.dtype:
+        return
+    raw = buf.array.reshape(-1)
+    buf.array = lax.bitcast_convert_type(raw.reshape(-1, itemsize), jdtype) if itemsize > 1 else \
+        lax.bitcast_convert_type(raw, jdtype)
+    buf.dtype = jdtype
 
 
 def buffer_of(t):

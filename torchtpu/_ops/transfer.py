@@ -52,11 +52,31 @@ def _copy_(self, src, non_blocking=False):
         return self.copy_(to_host(src), non_blocking)
     if src.device.type != "tpu":  # host -> device
         src = from_host(src, self.device.index)
+    elif src.untyped_storage()._tpu is self.untyped_storage()._tpu:
+        _check_no_partial_overlap(self, src)
     elif src.device.index != self.device.index:  # device -> device
         moved = jax.device_put(value_of(src), runtime.jax_device(self.device.index))
         src = storage.wrap(moved, tuple(src.shape), storage.contiguous_strides(src.shape),
                            src.dtype, self.device.index)
     return kernel_for(aten.copy_.default)(self, src, non_blocking)
+
+
+def _check_no_partial_overlap(dst, src):
+    # PyTorch's CPU/CUDA copy_ refuses a source that partly overlaps the destination; meta
+    # kernels cannot see memory, so the same rule is applied here on the byte ranges.
+    def span(t):
+        start = t.storage_offset() * t.element_size()
+        return start, start + storage.storage_numel(t.shape, t.stride()) * t.element_size()
+
+    if not (dst.is_contiguous() and src.is_contiguous()):
+        return  # PyTorch only decides overlap for dense layouts ("too hard" otherwise)
+    (a0, a1), (b0, b1) = span(dst), span(src)
+    same = (a0, dst.shape, dst.stride(), dst.dtype) == (b0, src.shape, src.stride(), src.dtype)
+    if a0 < b1 and b0 < a1 and not same:
+        raise RuntimeError(
+            "unsupported operation: some elements of the input tensor and the written-to tensor "
+            "refer to a single memory location. Please clone() the tensor before performing the "
+            "operation.")
 
 
 def _local_scalar_dense(self):

@@ -58,8 +58,24 @@ def _device_index(device):
     return runtime.current_device() if device.index is None else device.index
 
 
+def _set_storage_kernel(op):
+    handle = op._handle
+
+    def kernel(self, source, *args, **kwargs):
+        buf = getattr(source, "_tpu", None)
+        if buf is not None and buf.from_bytes:
+            storage.retype_loaded(buf, self.dtype)
+        return handle.redispatch_boxed(_CPU, self, source, *args, **kwargs)
+
+    return kernel
+
+
+_SET_FROM_STORAGE = (aten.set_.source_Storage, aten.set_.source_Storage_storage_offset)
+
+
 def register(lib):
     for op in METADATA_OPS:
-        lib.impl(op, _redispatch(op), "PrivateUse1")
+        kernel = _set_storage_kernel(op) if op in _SET_FROM_STORAGE else _redispatch(op)
+        lib.impl(op, kernel, "PrivateUse1")
     lib.impl(aten.empty.memory_format, _empty_memory_format, "PrivateUse1")
     lib.impl(aten.empty_strided.default, _empty_strided, "PrivateUse1")

@@ -1,0 +1,159 @@
+import io
+
+import pytest
+import torch
+
+from conftest import assert_same
+
+
+def both(fn, *tensors):
+    return fn(*[t.to("tpu") for t in tensors]), fn(*tensors)
+
+
+def test_transfers_and_conversions():
+    a = torch.randn(3, 4)
+    t = a.to("tpu")
+    assert t.device.type == "tpu" and torch.equal(t.cpu(), a)
+    assert torch.equal(a.to("tpu", torch.float16).cpu(), a.half())
+    assert torch.equal(t.to(torch.bfloat16).cpu(), a.bfloat16())
+    assert t.to(torch.int32).dtype == torch.int32
+    assert torch.equal(torch.tensor([[1, 2], [3, 4]], device="tpu").cpu(), torch.tensor([[1, 2], [3, 4]]))
+    assert t[1, 2].item() == a[1, 2].item()
+    assert t.tolist() == a.tolist()
+    out = torch.empty(3, 4)
+    out.copy_(t, non_blocking=True)
+    assert torch.equal(out, a)
+    dst = torch.zeros(3, 4, device="tpu", dtype=torch.float64)
+    dst.copy_(a)
+    assert torch.equal(dst.cpu(), a.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64,
+                                   torch.int32, torch.uint8, torch.int8, torch.bool,
+                                   torch.complex64, torch.float64])
+def test_dtype_roundtrip(dtype):
+    a = (torch.randn(5, 3) * 10).to(dtype)
+    t = a.to("tpu")
+    assert t.dtype == dtype
+    assert torch.equal(t.cpu(), a)
+
+
+def test_repr_shows_device():
+    t = torch.tensor([1.5, 2.0], device="tpu")
+    assert "device='tpu:0'" in repr(t)
+    assert "1.5000" in str(t)
+
+
+def test_numpy_refused_like_cuda():
+    t = torch.ones(2, device="tpu")
+    with pytest.raises(TypeError, match="can't convert tpu:0 device type tensor to numpy"):
+        t.numpy()
+
+
+def test_save_load_roundtrip():
+    m = torch.nn.Linear(3, 2).to("tpu")
+    buf = io.BytesIO()
+    torch.save({"sd": m.state_dict(), "t": torch.arange(4.0, device="tpu")[1:]}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf)
+    assert loaded["t"].device.type == "tpu" and loaded["t"].cpu().tolist() == [1.0, 2.0, 3.0]
+    assert torch.equal(loaded["sd"]["weight"].cpu(), m.weight.detach().cpu())
+    buf.seek(0)
+    on_cpu = torch.load(buf, map_location="cpu")
+    assert on_cpu["t"].device.type == "cpu"
+    buf2 = io.BytesIO()
+    torch.save(on_cpu["sd"], buf2)
+    buf2.seek(0)
+    assert torch.load(buf2, map_location="tpu")["bias"].device.type == "tpu"
+
+
+# --- aliasing: every view shares storage and sees in-place writes ----------------------------
+
+def test_views_have_pytorch_metadata():
+    a = torch.arange(24.0).reshape(2, 3, 4)
+    t = a.to("tpu")
+    for f in [lambda x: x.t() if x.dim() == 2 else x.transpose(0, 2), lambda x: x[:, 1:, ::2],
+              lambda x: x.permute(2, 0, 1), lambda x: x.select(1, 2), lambda x: x.unsqueeze(0),
+              lambda x: x.view(6, 4), lambda x: x.diagonal(0, 1, 2), lambda x: x[1].unfold(1, 2, 1),
+              lambda x: x.expand(3, -1, -1, -1), lambda x: x.narrow(2, 1, 2)]:
+        v, r = f(t), f(a)
+        assert v._is_view() and v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+        assert_same(v, r)
+
+
+@pytest.mark.parametrize("name,fn", [
+    ("t_row_add", lambda x: x.t()[0].add_(1)),
+    ("strided_mul", lambda x: x[:, 1::2].mul_(2)),
+    ("flat_zero", lambda x: x.view(-1).zero_()),
+    ("diag_fill", lambda x: x.diagonal().fill_(0)),
+    ("col_copy", lambda x: x[:, 0].copy_(torch.tensor([7.0, 8.0, 9.0, 10.0]))),
+    ("slice_sub", lambda x: x[1:3, 1:].sub_(x[0, 1:])),
+])
+def test_inplace_through_views(name, fn):
+    a = torch.arange(16.0).reshape(4, 4)
+    t = a.to("tpu")
+    fn(t)
+    fn(a)
+    assert torch.equal(t.cpu(), a)
+
+
+def test_expanded_view_reads():
+    a = torch.arange(4.0)
+    t = a.to("tpu")
+    e, r = t.unsqueeze(0).expand(3, -1), a.unsqueeze(0).expand(3, -1)
+    assert e.stride() == r.stride() == (0, 1)
+    assert torch.equal(e.cpu(), r)
+    assert torch.equal((e * 2).cpu(), r * 2)
+    t.add_(1)
+    assert torch.equal(e.cpu(), r + 1)
+
+
+def test_overlapping_copy_raises_like_cpu():
+    t = torch.arange(10.0, device="tpu")
+    before = t.cpu().clone()
+    with pytest.raises(RuntimeError, match="unsupported operation"):
+        t[1:].copy_(t[:-1])
+    assert torch.equal(t.cpu(), before)
+
+
+def test_copy_between_disjoint_views_of_one_storage():
+    a = torch.arange(10.0)
+    t = a.to("tpu")
+    t[5:].copy_(t[:5])
+    a[5:].copy_(a[:5])
+    assert torch.equal(t.cpu(), a)
+
+
+def test_inplace_on_leaf_requiring_grad_errors():
+    w = torch.ones(3, device="tpu", requires_grad=True)
+    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad"):
+        w.add_(1)
+
+
+def test_out_argument_resizes_and_keeps_identity():
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    out = torch.empty(0, device="tpu")
+    r = torch.add(a.to("tpu"), b.to("tpu"), out=out)
+    assert r is out and out.shape == (3, 4)
+    torch.testing.assert_close(out.cpu(), a + b)
+
+
+def test_resize_preserves_values():
+    t = torch.arange(4.0, device="tpu")
+    t.resize_(8)
+    assert t.shape == (8,) and t[:4].cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_dtype_view_shares_bits():
+    a = torch.randn(4)
+    t = a.to("tpu")
+    assert torch.equal(t.view(torch.int32).cpu(), a.view(torch.int32))
+
+
+def test_data_dependent_ops_synchronise():
+    a = torch.tensor([0.0, 1.5, 0.0, -2.0])
+    t = a.to("tpu")
+    assert torch.equal(t.nonzero().cpu(), a.nonzero())
+    assert torch.equal(t[t != 0].cpu(), a[a != 0])
+    assert bool((t > 1).any()) is True
+    assert torch.equal(torch.masked_select(t, t < 0).cpu(), torch.tensor([-2.0]))
