@@ -1,4 +1,6 @@
 """Installs one PrivateUse1 kernel per overload of the lowering table."""
+import torch
+
 from .._ops import registry
 from .strict import OpKernel
 
@@ -13,8 +15,14 @@ def kernel_for(overload):
     return k
 
 
+def _is_composite_implicit(overload):
+    return torch._C._dispatch_has_kernel_for_dispatch_key(overload.name(), "CompositeImplicitAutograd")
+
+
 def register_table(lib, skip=()):
     for overload in registry.TABLE:
-        if overload in skip:
+        # A backend kernel for a CompositeImplicitAutograd op would bypass the autograd formula
+        # of what it decomposes into (no grad_fn), so those always decompose.
+        if overload in skip or _is_composite_implicit(overload):
             continue
         lib.impl(overload, kernel_for(overload), "PrivateUse1")

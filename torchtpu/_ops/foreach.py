@@ -71,7 +71,7 @@ def foreach_copy(xs, srcs, non_blocking=False):
     return [jnp.broadcast_to(s, x.shape).astype(x.dtype) for x, s in zip(xs, srcs)]
 
 
-@lowering("aten::_foreach_norm.Scalar")
+@lowering("aten::_foreach_norm.Scalar", static=("ord",))
 def foreach_norm(xs, ord=2, dtype=None):
     return [pointwise_norm(x, ord) for x in xs]
 

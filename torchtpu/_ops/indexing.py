@@ -144,10 +144,13 @@ def index(x, indices):
 
 
 @lowering("aten::index_put.default")
-def index_put(x, indices, values, accumulate=False):
+def index_put(x, indices, values, accumulate=False, unsafe=False):
     idx = _advanced_index(x, indices)
     values = values.astype(x.dtype)
     return x.at[idx].add(values) if accumulate else x.at[idx].set(values)
+
+
+lowering("aten::_index_put_impl_.default")(index_put)
 
 
 @lowering("aten::masked_scatter.default", eager=True)

@@ -35,5 +35,12 @@ def register(lib):
 
     lib.impl(aten.index.Tensor, index_kernel, "PrivateUse1")
     lib.impl(aten.index_put.default, index_put_kernel, "PrivateUse1")
+    impl = kernel_for(aten._index_put_impl_.default)
+
+    def index_put_impl_kernel(x, indices, values, accumulate=False, unsafe=False):
+        return impl(x, _integer_indices(indices) if _has_mask(indices) else indices, values, accumulate, unsafe)
+
     lib.impl(aten.index_put_.default, index_put__kernel, "PrivateUse1")
-    return {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
+    lib.impl(aten._index_put_impl_.default, index_put_impl_kernel, "PrivateUse1")
+    return {aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
+            aten._index_put_impl_.default}

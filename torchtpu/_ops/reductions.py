@@ -173,7 +173,7 @@ def cumprod(x, dim, dtype=None):
     return jnp.cumprod(x.astype(_acc_dtype(x, dtype)), axis=dim)
 
 
-@lowering("aten::linalg_vector_norm.default")
+@lowering("aten::linalg_vector_norm.default", static=("ord",))
 def vector_norm(x, ord=2, dim=None, keepdim=False, dtype=None):
     if dtype is not None:
         x = x.astype(_acc_dtype(x, dtype))

@@ -1,0 +1,131 @@
+"""Ops compared against PyTorch on the CPU: values, dtypes, shapes, strides and gradients."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import assert_same
+
+R = lambda *s: torch.randn(*s)
+P = lambda *s: torch.rand(*s) + 0.5
+I = lambda hi, *s: torch.randint(0, hi, s)
+
+# name -> (fn, inputs, differentiable)
+CASES = {
+    "add_scalar": (lambda x: x + 2.5, [R(3, 4)], True),
+    "add_alpha": (lambda x, y: torch.add(x, y, alpha=0.5), [R(3, 4), R(4)], True),
+    "sub_rsub": (lambda x, y: 1 - x - y, [R(3, 4), R(3, 1)], True),
+    "mul_div": (lambda x, y: x * y / (y.abs() + 1), [R(2, 3), R(2, 3)], True),
+    "int_promote": (lambda x: x * 2.5, [I(10, 4)], False),
+    "int_div": (lambda x, y: x / (y + 1), [I(10, 4), I(5, 4)], False),
+    "floor_div": (lambda x, y: torch.div(x, y + 1, rounding_mode="floor"), [I(10, 6) - 5, I(3, 6)], False),
+    "trunc_div": (lambda x, y: torch.div(x, y + 1, rounding_mode="trunc"), [I(10, 6) - 5, I(3, 6)], False),
+    "remainder": (lambda x: x % 3, [I(10, 6) - 5], False),
+    "pow": (lambda x: x ** 2 + x.abs() ** 0.5, [R(3, 3)], True),
+    "bf16": (lambda x: (x * 3).exp(), [R(4, 4).bfloat16()], False),
+    "unary": (lambda x: torch.sin(x) + torch.tanh(x) + torch.sigmoid(x) + torch.exp(x) + torch.log(x) + torch.sqrt(x) + torch.rsqrt(x), [P(3, 4)], True),
+    "erf_floor": (lambda x: torch.erf(x) + torch.floor(x) + torch.ceil(x) + torch.round(x), [R(5)], False),
+    "compare": (lambda x, y: torch.stack([x < y, x >= y, x == x, x != y]), [R(3, 4), R(3, 4)], False),
+    "where": (lambda c, x: torch.where(c > 0, x, 0.0), [R(3, 4), R(3, 4)], True),
+    "clamp": (lambda x: x.clamp(-0.5, 0.5) + x.clamp(min=0.1), [R(10)], True),
+    "masked_fill": (lambda x: x.masked_fill(x > 0, -1.0), [R(4, 4)], True),
+    "sum_mean": (lambda x: x.sum(1) + x.mean(1, keepdim=True).squeeze(1), [R(3, 5)], True),
+    "sum_int": (lambda x: x.sum(), [I(5, 10)], False),
+    "var_std": (lambda x: x.var(0) + x.std(1).sum(), [R(4, 5)], True),
+    "max_min": (lambda x: x.max(1).values + x.min(1)[0] + x.amax(0).sum(), [R(4, 5)], True),
+    "argmax": (lambda x: x.argmax(1) + x.argmin(), [R(4, 5)], False),
+    "logsumexp": (lambda x: x.logsumexp(-1), [R(3, 6)], True),
+    "cumsum": (lambda x: x.cumsum(1), [R(3, 6)], True),
+    "norm": (lambda x: torch.linalg.vector_norm(x, dim=1), [R(3, 6)], True),
+    "mm": (lambda a, b: a @ b, [R(5, 6), R(6, 7)], True),
+    "bmm": (lambda a, b: torch.bmm(a, b), [R(2, 3, 4), R(2, 4, 5)], True),
+    "matmul_bcast": (lambda a, b: torch.matmul(a, b), [R(2, 3, 4), R(4)], True),
+    "linear": (lambda x, w, b: F.linear(x, w, b), [R(2, 3, 4), R(5, 4), R(5)], True),
+    "addmm_t": (lambda b, x, w: torch.addmm(b, x, w.t(), beta=0.5, alpha=2), [R(3), R(2, 4), R(3, 4)], True),
+    "cat_stack": (lambda a, b: torch.cat([a, b], 1) + torch.stack([a, b], 1).sum(1).repeat(1, 2), [R(2, 3), R(2, 3)], True),
+    "softmax": (lambda x: F.softmax(x, -1) + F.log_softmax(x, 0), [R(3, 5)], True),
+    "layer_norm": (lambda x, w, b: F.layer_norm(x, (5,), w, b), [R(2, 3, 5), R(5), R(5)], True),
+    "activations": (lambda x: F.gelu(x) + F.relu(x) + F.silu(x) + F.gelu(x, approximate="tanh") + F.leaky_relu(x), [R(4, 4)], True),
+    "cross_entropy": (lambda x, y: F.cross_entropy(x, y), [R(6, 5), I(5, 6)], True),
+    "cross_entropy_ignore": (lambda x, y: F.cross_entropy(x, y, ignore_index=2, reduction="sum"), [R(6, 5), I(5, 6)], True),
+    "nll_3d": (lambda x, y: F.nll_loss(F.log_softmax(x, 1), y), [R(2, 4, 3), I(4, 2, 3)], True),
+    "mse": (lambda x, y: F.mse_loss(x, y), [R(3, 4), R(3, 4)], True),
+    "embedding": (lambda w, i: F.embedding(i, w), [R(10, 4), I(10, 3, 5)], True),
+    "sdpa": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), [R(2, 2, 5, 4), R(2, 2, 5, 4), R(2, 2, 5, 4)], True),
+    "sdpa_mask": (lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m > 0), [R(1, 2, 4, 8), R(1, 2, 6, 8), R(1, 2, 6, 8), R(4, 6)], True),
+    "index_select": (lambda x, i: x.index_select(1, i), [R(3, 5), I(5, 4)], True),
+    "gather": (lambda x, i: x.gather(1, i), [R(3, 5), I(5, 3, 2)], True),
+    "scatter": (lambda x, i, s: x.scatter(1, i, s), [R(3, 5), torch.tensor([[0, 1], [2, 3], [4, 0]]), R(3, 2)], True),
+    "scatter_add": (lambda x, i, s: x.scatter_add(0, i, s), [R(3, 5), I(3, 2, 5), R(2, 5)], True),
+    "index_tensor": (lambda x, i: x[i, 1:], [R(5, 4), I(5, 3)], True),
+    "index_put_acc": (lambda x, i, v: x.index_put((i,), v, accumulate=True), [R(5, 4), torch.tensor([0, 2, 0]), R(3, 4)], True),
+    "index_add": (lambda x, i, s: x.index_add(0, i, s), [R(5, 3), torch.tensor([1, 1, 4]), R(3, 3)], True),
+    "tril_flip": (lambda x: x.tril() + x.triu(1).flip(0) + x.roll(1, 1), [R(4, 4)], True),
+    "pad": (lambda x: F.pad(x, (1, 2, 0, 1), value=0.5), [R(2, 3)], True),
+    "sort_topk": (lambda x: x.sort(1).values + x.topk(5, 1).values, [R(3, 5)], True),
+    "expand_contig": (lambda x: x.unsqueeze(0).expand(3, -1, -1).contiguous() * 2, [R(2, 3)], True),
+    "transpose_arith": (lambda x: x.t() * 2 + 1, [R(3, 5)], True),
+    "permute_sum": (lambda x: x.permute(2, 0, 1).sum(0), [R(2, 3, 4)], True),
+    "reshape_noncontig": (lambda x: x.t().reshape(-1), [R(3, 4)], True),
+    "arange_full": (lambda x: x + torch.arange(4, device=x.device) + torch.full((4,), 2.0, device=x.device), [R(3, 4)], True),
+    "zeros_ones_like": (lambda x: torch.zeros_like(x) + torch.ones_like(x) * x, [R(3, 4)], True),
+    "logical": (lambda x, y: (x > 0) & (y > 0) | ~(x > y), [R(3, 4), R(3, 4)], False),
+    "isfinite_nan": (lambda x: torch.nan_to_num(x.log()) + x.isnan().float(), [R(6)], False),
+    "to_dtype": (lambda x: x.to(torch.bfloat16).float() + x.half().float(), [R(3, 4)], True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_forward_and_backward_match_cpu(name):
+    fn, inputs, differentiable = CASES[name]
+    cpu_in = [t.clone().requires_grad_(differentiable and t.is_floating_point()) for t in inputs]
+    tpu_in = [t.detach().to("tpu").requires_grad_(t.requires_grad) for t in cpu_in]
+    out_cpu, out_tpu = fn(*cpu_in), fn(*tpu_in)
+    tol = dict(rtol=1.6e-2, atol=1e-2) if out_cpu.dtype in (torch.bfloat16, torch.float16) else dict(rtol=2e-5, atol=2e-5)
+    assert_same(out_tpu, out_cpu, **tol)
+    if differentiable and out_cpu.is_floating_point():
+        g = torch.randn(out_cpu.shape)
+        out_cpu.backward(g)
+        out_tpu.backward(g.to("tpu"))
+        for a, b in zip(tpu_in, cpu_in):
+            if b.grad is not None:
+                assert a.grad is not None and a.grad.device.type == "tpu"
+                torch.testing.assert_close(a.grad.cpu(), b.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_inplace_variants_and_out():
+    a = torch.randn(3, 4)
+    t = a.to("tpu")
+    for op in ["add_", "mul_", "sub_", "div_"]:
+        getattr(t, op)(1.5)
+        getattr(a, op)(1.5)
+    t.exp_().clamp_(max=3.0)
+    a.exp_().clamp_(max=3.0)
+    assert torch.allclose(t.cpu(), a)
+    out = torch.empty(3, 4, device="tpu")
+    torch.mul(t, 2, out=out)
+    assert torch.allclose(out.cpu(), a * 2)
+
+
+def test_foreach_ops():
+    xs = [torch.randn(3), torch.randn(2, 2)]
+    ts = [x.to("tpu") for x in xs]
+    torch._foreach_add_(ts, 1.0)
+    torch._foreach_mul_(ts, [2.0, 3.0])
+    torch._foreach_addcdiv_(ts, ts, [t.abs() + 1 for t in ts], 0.5)
+    torch._foreach_add_(xs, 1.0)
+    torch._foreach_mul_(xs, [2.0, 3.0])
+    torch._foreach_addcdiv_(xs, xs, [x.abs() + 1 for x in xs], 0.5)
+    for t, x in zip(ts, xs):
+        torch.testing.assert_close(t.cpu(), x)
+    norms = torch._foreach_norm(ts)
+    torch.testing.assert_close(torch.stack(norms).cpu(), torch.stack(torch._foreach_norm(xs)))
+
+
+def test_executables_are_cached():
+    import torchtpu
+    x = torch.randn(8, 8, device="tpu")
+    (x * 2.0 + 1).sum()
+    before = torchtpu.metrics()["compiles"]
+    for s in (0.5, 1.5, 2.5):  # new scalar values reuse the executable
+        (x * s + 1).sum()
+    assert torchtpu.metrics()["compiles"] == before
