@@ -15,7 +15,7 @@ def test_shape_mismatch_raises_runtime_error_and_keeps_inputs():
     with pytest.raises(RuntimeError, match="must match the size|broadcast"):
         a.add_(b)
     assert torch.equal(a.cpu(), torch.ones(3, 4))
-    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+    with pytest.raises(RuntimeError, match="cannot be multiplied|same reduction dim"):
         a @ b
 
 
