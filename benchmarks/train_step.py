@@ -1,0 +1,125 @@
+"""ms/step of a GPT-style training step (forward, backward, AdamW) on tpu (strict eager) vs
+native torch CPU eager vs the same step written directly in JAX under one jax.jit.
+
+    python benchmarks/train_step.py [--layers 4 --d-model 256 --heads 4 --seq 128 --batch 8 --vocab 1024]
+"""
+import argparse
+import copy
+import time
+
+import jax
+import jax.numpy as jnp
+import torch
+
+import torchtpu  # noqa: F401
+from torchtpu.examples.models import GPT
+
+
+def time_steps(step, n, sync):
+    step()
+    step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    sync()
+    return (time.perf_counter() - t0) / n * 1e3
+
+
+def jax_step_fn(model):
+    """The same model and AdamW step, written in JAX (functional params)."""
+    params = {k: jnp.asarray(v.detach().numpy()) for k, v in model.state_dict().items()}
+    n_heads, n_layers = model.blocks[0].n_heads, len(model.blocks)
+
+    def ln(x, w, b):
+        m = x.mean(-1, keepdims=True)
+        v = ((x - m) ** 2).mean(-1, keepdims=True)
+        return (x - m) * jax.lax.rsqrt(v + 1e-5) * w + b
+
+    def loss_fn(p, idx, tgt):
+        B, T = idx.shape
+        x = p["tok.weight"][idx] + p["pos.weight"][jnp.arange(T)]
+        for i in range(n_layers):
+            q = f"blocks.{i}."
+            h = ln(x, p[q + "ln1.weight"], p[q + "ln1.bias"]) @ p[q + "qkv.weight"].T + p[q + "qkv.bias"]
+            C = x.shape[-1]
+            qh, kh, vh = (h[..., j * C:(j + 1) * C].reshape(B, T, n_heads, -1).transpose(0, 2, 1, 3) for j in range(3))
+            att = qh @ kh.transpose(0, 1, 3, 2) / jnp.sqrt(qh.shape[-1])
+            att = jnp.where(jnp.tril(jnp.ones((T, T), bool)), att, -jnp.inf)
+            y = (jax.nn.softmax(att, -1) @ vh).transpose(0, 2, 1, 3).reshape(B, T, C)
+            x = x + y @ p[q + "proj.weight"].T + p[q + "proj.bias"]
+            h = ln(x, p[q + "ln2.weight"], p[q + "ln2.bias"]) @ p[q + "fc.weight"].T + p[q + "fc.bias"]
+            x = x + jax.nn.gelu(h, approximate=False) @ p[q + "fc_out.weight"].T + p[q + "fc_out.bias"]
+        logits = ln(x, p["ln_f.weight"], p["ln_f.bias"]) @ p["head.weight"].T
+        logp = jax.nn.log_softmax(logits, -1)
+        return -jnp.take_along_axis(logp, tgt[..., None], -1).mean()
+
+    @jax.jit
+    def step(p, m, v, t, idx, tgt):
+        loss, g = jax.value_and_grad(loss_fn)(p, idx, tgt)
+        b1, b2, lr, eps, wd = 0.9, 0.999, 1e-3, 1e-8, 0.01
+        m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, m, g)
+        v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, v, g)
+        c1, c2 = 1 - b1 ** t, 1 - b2 ** t
+        p = jax.tree.map(lambda p, m, v: p * (1 - lr * wd) - lr * (m / c1) / (jnp.sqrt(v / c2) + eps), p, m, v)
+        return p, m, v, loss
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    return step, params, zeros, zeros
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=5)
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    model = GPT(a.vocab, a.d_model, a.heads, a.layers, a.seq)
+    idx = torch.randint(0, a.vocab, (a.batch, a.seq))
+    tgt = torch.randint(0, a.vocab, (a.batch, a.seq))
+
+    def torch_step(m, opt, x, y):
+        def step():
+            loss = m(x, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return step
+
+    cpu_model = copy.deepcopy(model)
+    t_cpu = time_steps(torch_step(cpu_model, torch.optim.AdamW(cpu_model.parameters(), lr=1e-3), idx, tgt),
+                       a.steps, lambda: None)
+
+    tpu_model = copy.deepcopy(model).to("tpu")
+    t0 = time.perf_counter()
+    first = torch_step(tpu_model, torch.optim.AdamW(tpu_model.parameters(), lr=1e-3), idx.to("tpu"), tgt.to("tpu"))
+    first()
+    torch.tpu.synchronize()
+    warmup = time.perf_counter() - t0
+    t_tpu = time_steps(first, a.steps, torch.tpu.synchronize)
+
+    step, p, m, v = jax_step_fn(model)
+    ji, jt = jnp.asarray(idx.numpy()), jnp.asarray(tgt.numpy())
+    state = {"p": p, "m": m, "v": v, "t": 0}
+
+    def jstep():
+        state["t"] += 1
+        state["p"], state["m"], state["v"], loss = step(state["p"], state["m"], state["v"], state["t"], ji, jt)
+        state["loss"] = loss
+
+    t_jax = time_steps(jstep, a.steps, lambda: state["loss"].block_until_ready())
+
+    print(f"GPT {a.layers} layers, d_model {a.d_model}, {a.heads} heads, seq {a.seq}, batch {a.batch}, vocab {a.vocab}; AdamW")
+    print(f"  tpu strict eager : {t_tpu:9.1f} ms/step  ({t_tpu / t_cpu:.2f}x torch CPU)")
+    print(f"  torch CPU eager  : {t_cpu:9.1f} ms/step  (1.00x)")
+    print(f"  JAX, one jax.jit : {t_jax:9.1f} ms/step  ({t_jax / t_cpu:.2f}x torch CPU)")
+    print(f"  tpu first step (warm-up incl. compiles): {warmup:.1f} s = {warmup * 1e3 / t_cpu:.1f}x one torch CPU step")
+
+
+if __name__ == "__main__":
+    main()
