@@ -5,7 +5,6 @@ identity (never dereferenced). Its Python object carries a `DeviceBuffer` holdin
 of the storage's elements in memory order; PyTorch keeps that object alive exactly as long as
 the storage, so device memory is freed with the last tensor that uses it.
 """
-import itertools
 import threading
 
 import jax

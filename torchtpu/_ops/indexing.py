@@ -115,27 +115,10 @@ def _advanced_index(x, indices):
     for d, i in enumerate(indices):
         if i is None:
             idx.append(slice(None))
-        elif i.dtype == jnp.bool_:
-            raise NotImplementedError("boolean masks are handled by the eager index path")
         else:
             check_index(i, x.shape[d], f"index out of range in self")
             idx.append(_wrap(i, x.shape[d]))
     return tuple(idx)
-
-
-def _has_bool(indices):
-    return any(i is not None and getattr(i, "dtype", None) == jnp.bool_ for i in indices)
-
-
-def _expand_bool(indices):
-    """Boolean masks become their nonzero() integer indices (needs concrete values)."""
-    out = []
-    for i in indices:
-        if i is not None and i.dtype == jnp.bool_:
-            out.extend(jnp.nonzero(i))
-        else:
-            out.append(i)
-    return out
 
 
 @lowering("aten::index.Tensor")
