@@ -7,7 +7,7 @@ import torch
 
 from ._device import module as _module
 from ._device import registration as _registration
-from ._device import runtime as _runtime
+from ._device import runtime as _runtime  # noqa: F401  (torchtpu._runtime.platform())
 
 __version__ = "0.1.0"
 
@@ -18,7 +18,7 @@ if not hasattr(torch.tpu, "_torchtpu_library"):
 
 
 def _install_kernels():
-    from . import _ops
+    from . import _ops  # noqa: F401  (fills the lowering table)
     from ._execution import fallback, kernels
     from ._ops import masks, transfer, views
 

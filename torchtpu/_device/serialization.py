@@ -1,7 +1,7 @@
 """torch.save / torch.load of tpu storages (incl. map_location="tpu")."""
 import torch
 
-from . import runtime, storage
+from . import runtime
 
 
 def _tag(obj):

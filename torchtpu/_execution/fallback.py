@@ -35,11 +35,12 @@ def _fallback(op, *args, **kwargs):
     cpu_kwargs = tree_map(to_cpu, kwargs)
     out = op(*cpu_args, **cpu_kwargs)
     # Mutated tpu arguments get the CPU results written back.
-    for a, ca in zip(op._schema.arguments, list(cpu_args) + [cpu_kwargs.get(x.name) for x in op._schema.arguments[len(cpu_args):]]):
-        if a.alias_info is not None and a.alias_info.is_write:
-            orig = args[op._schema.arguments.index(a)] if op._schema.arguments.index(a) < len(args) else kwargs[a.name]
-            if isinstance(orig, torch.Tensor) and orig.device.type == "tpu":
-                orig.copy_(ca)
+    for k, a in enumerate(op._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        orig, result = (args[k], cpu_args[k]) if k < len(args) else (kwargs.get(a.name), cpu_kwargs.get(a.name))
+        if isinstance(orig, torch.Tensor) and orig.device.type == "tpu":
+            orig.copy_(result)
     dev = device[0] or torch.device("tpu", torch.tpu.current_device())
     return tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor) and x.device.type == "cpu" else x, out)
 

@@ -10,8 +10,8 @@ _kernels = {}
 def kernel_for(overload):
     k = _kernels.get(overload)
     if k is None:
-        low, functional = registry.TABLE[overload]
-        k = _kernels[overload] = OpKernel(overload, low, functional)
+        low = registry.TABLE[overload]
+        k = _kernels[overload] = OpKernel(overload, low)
     return k
 
 

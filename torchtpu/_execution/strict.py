@@ -14,12 +14,11 @@ import threading
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten
 
 from .._device import runtime, storage
-from .._device.dtypes import to_jax_dtype
+from .._device.dtypes import to_jax_dtype, to_torch_dtype
 from .._ops import registry
 from . import metrics, strided, sync
 from .random import next_key_parts, key_from_parts
@@ -29,7 +28,7 @@ _meta_device = torch.device("meta")
 
 
 class _Arg:
-    __slots__ = ("name", "kind", "kwarg_only", "default", "has_default", "is_write", "is_out")
+    __slots__ = ("name", "kind", "kwarg_only", "default", "is_write", "is_out")
 
 
 def _classify(schema, static_scalars):
@@ -38,8 +37,7 @@ def _classify(schema, static_scalars):
         x = _Arg()
         x.name = a.name
         x.kwarg_only = a.kwarg_only
-        x.has_default = a.has_default_value()
-        x.default = a.default_value if x.has_default else None
+        x.default = a.default_value if a.has_default_value() else None
         x.is_write = a.alias_info is not None and a.alias_info.is_write
         x.is_out = a.is_out
         t = str(a.type)
@@ -72,7 +70,7 @@ class _OutResized(Exception):
 
 
 class _Compiled:
-    __slots__ = ("fn", "out_specs", "wrap_specs", "writes", "n_checks", "returns", "list_len")
+    __slots__ = ("fn", "out_specs", "wrap_specs", "writes", "check_info", "returns", "list_len")
 
 
 def _device_mismatch(a, b):
@@ -83,15 +81,12 @@ def _device_mismatch(a, b):
 class OpKernel:
     """The PrivateUse1 kernel of one overload."""
 
-    def __init__(self, overload, low, functional):
+    def __init__(self, overload, low):
         self.overload = overload
         self.low = low
-        self.functional = functional
         schema = overload._schema
-        self.name = f"{schema.name}.{schema.overload_name or 'default'}"
         self.args = _classify(schema, low.static)
         self.n_args = len(self.args)
-        self.is_variant = any(a.is_write for a in self.args)
         self.functional_args = [i for i, a in enumerate(self.args) if not a.is_out]
         self.writes = [i for i, a in enumerate(self.args) if a.is_write]
         self.returns = schema.returns
@@ -185,11 +180,8 @@ class OpKernel:
                 device = index
             elif device != index:
                 raise _device_mismatch(f"tpu:{device}", t.device)
-            for j, b in enumerate(buffers):
-                if b is buf:
-                    break
-            else:
-                j = len(buffers)
+            j = _index_of(buffers, buf)
+            if j == len(buffers):
                 buffers.append(buf)
                 arrays.append(buf.array if buf.array is not None else buf.value())
             key.append((t.dtype, t.shape, t.stride(), t.storage_offset(), j))
@@ -202,7 +194,7 @@ class OpKernel:
         return device
 
     def _raise_failed_checks(self, compiled, checks):
-        for ok, (exc_type, message) in zip(jax.device_get(checks), compiled.n_checks):
+        for ok, (exc_type, message) in zip(jax.device_get(checks), compiled.check_info):
             if not bool(ok):
                 raise exc_type(message)
 
@@ -265,9 +257,9 @@ class OpKernel:
             compiled = self.cache.get(key)
             if compiled is not None:
                 return compiled
-            metrics.counters["compiles"] += 1
             compiled = self._build(vals, arrays, buffers, scalars, device)
-            if not self.low.eager:
+            if not self.low.eager:  # eager ops run un-jitted and are rebuilt per call
+                metrics.counters["compiles"] += 1
                 self.cache[key] = compiled
             return compiled
 
@@ -276,8 +268,6 @@ class OpKernel:
         pos, kw = self._meta_args(vals)
         if self.low.eager:
             meta_out = None
-        elif self.low.meta is not None:
-            meta_out = self.low.meta(*pos, **kw)
         else:
             meta_out = self.overload(*pos, **kw)
             self._resize_outs(vals, pos, kw)
@@ -297,7 +287,7 @@ class OpKernel:
 
         # Tensor slots as the lowering sees them, in schema order.
         slots = self._slots(vals, buffers)
-        write_targets = self._write_targets(vals, buffers) if self.is_variant or self.low.returns_updates else []
+        write_targets = self._write_targets(vals, buffers)
         compiled.writes = sorted({j for j, *_ in write_targets})
         low, fargs_idx, argdefs = self.low, self.functional_args, self.args
         promote = low.promote
@@ -311,10 +301,15 @@ class OpKernel:
             promote_dtype = to_jax_dtype(torch.result_type(*tensors[:2])) if len(tensors) >= 2 else None
         n_buf = len(arrays)
         # Only plain values may be captured: a captured tensor would never be freed.
-        consts = {i: (vals[i] if argdefs[i].kind == _STATIC else
-                      len(vals[i]) if argdefs[i].kind == _SCALARLIST else vals[i] is None)
-                  for i in fargs_idx if argdefs[i].kind in (_STATIC, _SCALAR, _SCALARLIST, _DEVICE)}
-        consts.update({i: vals[i] for i in fargs_idx if argdefs[i].kind == _DEVICE})
+        consts = {}
+        for i in fargs_idx:
+            kind = argdefs[i].kind
+            if kind == _SCALAR:
+                consts[i] = vals[i] is None
+            elif kind == _SCALARLIST:
+                consts[i] = len(vals[i])
+            elif kind in (_STATIC, _DEVICE):
+                consts[i] = vals[i]
         specs = [(shape, stride, to_jax_dtype(dtype)) for shape, stride, dtype in out_specs]
         check_info = []
 
@@ -345,13 +340,8 @@ class OpKernel:
             flat = [r for r in tree_flatten(result)[0] if r is not None]
             new_arrays = list(arrays)
             outs = []
-            if write_targets:
-                if low.returns_updates:
-                    fresh_vals, updates = result
-                    flat_updates = tree_flatten(updates)[0]
-                    flat = [r for r in tree_flatten(fresh_vals)[0] if r is not None]
-                else:
-                    flat_updates, flat = flat, []
+            if write_targets:  # in-place / out=: the results are the mutated arguments' values
+                flat_updates, flat = flat, []
                 for (j, shape, stride, offset, dtype), value in zip(write_targets, flat_updates):
                     value = jnp.broadcast_to(jnp.asarray(value), shape)
                     new_arrays[j] = strided.write(new_arrays[j], shape, stride, offset, dtype, value)
@@ -366,7 +356,7 @@ class OpKernel:
             compiled.fn = run
         else:
             compiled.fn = jax.jit(run)
-        compiled.n_checks = check_info
+        compiled.check_info = check_info
         return compiled
 
     def _resize_outs(self, vals, pos, kw):
@@ -409,7 +399,6 @@ class OpKernel:
 
     def _slots(self, vals, buffers):
         slots = {}
-        scalar_pos = [0]
 
         def slot_of(t):
             if t is None:
@@ -418,8 +407,7 @@ class OpKernel:
                 return ("num",)
             if t.device.type != "tpu":
                 return ("cpu", to_jax_dtype(t.dtype))
-            buf = t.untyped_storage()._tpu
-            j = next(k for k, b in enumerate(buffers) if b is buf)
+            j = _index_of(buffers, t.untyped_storage()._tpu)
             return (j, tuple(t.shape), t.stride(), t.storage_offset(), to_jax_dtype(t.dtype))
 
         for i, (a, v) in enumerate(zip(self.args, vals)):
@@ -434,8 +422,7 @@ class OpKernel:
         for i in self.writes:
             v = vals[i]
             for t in (v if isinstance(v, (list, tuple)) else [v]):
-                buf = t.untyped_storage()._tpu
-                j = next(k for k, b in enumerate(buffers) if b is buf)
+                j = _index_of(buffers, t.untyped_storage()._tpu)
                 targets.append((j, tuple(t.shape), t.stride(), t.storage_offset(), to_jax_dtype(t.dtype)))
         return targets
 
@@ -447,7 +434,7 @@ class OpKernel:
             self._raise_failed_checks(compiled, checks)
         if not compiled.out_specs:
             compiled.out_specs = [
-                (tuple(o.shape), storage.contiguous_strides(o.shape), _torch_dtype(o.dtype))
+                (tuple(o.shape), storage.contiguous_strides(o.shape), to_torch_dtype(o.dtype))
                 for o in outs]
             compiled.wrap_specs = _wrap_specs(compiled.out_specs)
         return self._commit(compiled, vals, outs, updated, buffers, device)
@@ -464,9 +451,12 @@ def _is_wrapped_number(t):
     return False
 
 
-def _torch_dtype(jdtype):
-    from .._device.dtypes import to_torch_dtype
-    return to_torch_dtype(jdtype)
+def _index_of(buffers, buf):
+    """Position of `buf` among the call's distinct storages (len(buffers) if new)."""
+    for j, b in enumerate(buffers):
+        if b is buf:
+            return j
+    return len(buffers)
 
 
 def _read(slot, arrays, scalar_it, promote_dtype):

@@ -1,8 +1,8 @@
 """The `_foreach_*` ops torch.optim uses on this device (one executable for the whole list)."""
 import jax.numpy as jnp
 
+from .reductions import vector_norm
 from .registry import lowering
-from . import pointwise
 
 
 def _map(fn, *lists):
@@ -73,13 +73,4 @@ def foreach_copy(xs, srcs, non_blocking=False):
 
 @lowering("aten::_foreach_norm.Scalar", static=("ord",))
 def foreach_norm(xs, ord=2, dtype=None):
-    return [pointwise_norm(x, ord) for x in xs]
-
-
-def pointwise_norm(x, ord):
-    ax = jnp.abs(x)
-    if ord == float("inf"):
-        return jnp.max(ax)
-    if ord == 1:
-        return jnp.sum(ax)
-    return jnp.sqrt(jnp.sum(ax * ax)) if ord == 2 else jnp.sum(ax ** ord) ** (1.0 / ord)
+    return [vector_norm(x, ord) for x in xs]

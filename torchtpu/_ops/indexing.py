@@ -116,7 +116,7 @@ def _advanced_index(x, indices):
         if i is None:
             idx.append(slice(None))
         else:
-            check_index(i, x.shape[d], f"index out of range in self")
+            check_index(i, x.shape[d], "index out of range in self")
             idx.append(_wrap(i, x.shape[d]))
     return tuple(idx)
 

@@ -1,6 +1,5 @@
 """Matrix products; float32 precision follows torch.get_float32_matmul_precision()."""
 import jax.numpy as jnp
-from jax import lax
 
 from .registry import lowering
 

@@ -133,6 +133,8 @@ def lerp(x, end, weight):
 
 # --- unary float functions (integers promote to the default float dtype) -----------------
 
+# square, isfinite, silu_backward and where's Scalar overloads are CompositeImplicitAutograd in
+# PyTorch: they decompose into these, so they need no lowering of their own.
 def _unary(name, fn):
     lowering(f"aten::{name}.default", promote=True)(fn)
 
@@ -148,7 +150,6 @@ for _name, _fn in {
     "digamma": jax.scipy.special.digamma,
     "floor": jnp.floor, "ceil": jnp.ceil, "trunc": jnp.trunc, "round": jnp.round,
     "frac": lambda x: x - jnp.trunc(x),
-    "square": jnp.square,
 }.items():
     _unary(_name, _fn)
 
@@ -225,11 +226,6 @@ def isinf(x):
     return jnp.isinf(x)
 
 
-@lowering("aten::isfinite.default")
-def isfinite(x):
-    return jnp.isfinite(x)
-
-
 @lowering("aten::isposinf.default")
 def isposinf(x):
     return jnp.isposinf(x)
@@ -252,11 +248,6 @@ def nan_to_num(x, nan=None, posinf=None, neginf=None):
 
 @lowering("aten::where.self", promote=None)
 def where(cond, x, y):
-    return jnp.where(cond, x, y)
-
-
-@lowering("aten::where.ScalarSelf", "aten::where.ScalarOther", "aten::where.Scalar")
-def where_scalar(cond, x, y):
     return jnp.where(cond, x, y)
 
 

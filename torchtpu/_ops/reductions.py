@@ -1,6 +1,5 @@
 """Reductions: dims/keepdim/dtype semantics follow PyTorch (output dtype from the meta kernel)."""
 import jax.numpy as jnp
-from jax import lax
 
 from .registry import lowering
 

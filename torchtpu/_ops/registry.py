@@ -12,11 +12,11 @@ overload, so an op is written once:
 """
 import dataclasses
 import threading
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
-# OpOverload -> (Lowering, the functional overload it computes), for every overload we run
+# OpOverload -> Lowering, for every overload we run (variants share their functional's)
 TABLE = {}
 
 
@@ -32,11 +32,6 @@ class Lowering:
     # The op reads device values to decide its output (data-dependent shapes): it gets
     # concrete arrays and runs outside jit.
     eager: bool = False
-    # Custom output metadata when the op has no meta kernel: fn(*meta_args) -> meta result.
-    meta: Optional[Callable] = None
-    # Overloads written by PyTorch as mutating with no functional twin: the lowering returns
-    # (outputs, new values of the mutated arguments in schema order).
-    returns_updates: bool = False
     # Pass the PRNG key as the first argument (random ops).
     random: bool = False
     # The program depends on torch.get_float32_matmul_precision() (matmuls, convolutions).
@@ -76,16 +71,15 @@ def variants(functional):
     return found
 
 
-def lowering(*names, variants_too=True, **options):
+def lowering(*names, **options):
     """Register `fn` as the lowering of each named functional overload (and its variants)."""
     def deco(fn):
         low = Lowering(fn, **options)
         for name in names:
             ov = overload_of(name)
-            TABLE[ov] = (low, ov)
-            if variants_too:
-                for var in variants(ov):
-                    TABLE.setdefault(var, (low, ov))
+            TABLE[ov] = low
+            for var in variants(ov):
+                TABLE.setdefault(var, low)
         return fn
     return deco
 

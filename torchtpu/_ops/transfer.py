@@ -9,6 +9,7 @@ import torch
 from .._device import runtime, storage
 from .._device.dtypes import numpy_to_tensor, tensor_to_numpy, to_jax_dtype
 from .._execution import metrics, strided
+from .._execution.kernels import kernel_for
 
 aten = torch.ops.aten
 
@@ -45,7 +46,6 @@ def from_host(cpu, index):
 
 
 def _copy_(self, src, non_blocking=False):
-    from .._execution.kernels import kernel_for
     if self.device.type != "tpu":  # device -> host
         if self.numel() == 0 and src.numel() == 0:
             return self

@@ -2,7 +2,8 @@
 over our storage (no buffer is touched), so aliasing is exactly PyTorch's."""
 import torch
 
-from .._device import runtime, storage
+from .._device import storage
+from .._device.module import _index as _device_index
 
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 aten = torch.ops.aten
@@ -49,13 +50,6 @@ def _empty(size, stride, dtype, index):
             raise RuntimeError(
                 f"Trying to create tensor with negative dimension {n}: {list(size)}")
     return storage.wrap(None, size, stride, dtype, index)
-
-
-def _device_index(device):
-    if device is None:
-        return runtime.current_device()
-    device = torch.device(device)
-    return runtime.current_device() if device.index is None else device.index
 
 
 def _set_storage_kernel(op):

@@ -1,6 +1,4 @@
 """Small models used by the demo, the tests and the benchmarks (random weights, no downloads)."""
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
