@@ -1,0 +1,528 @@
+"""Operator conformance against PyTorch's own OpInfo database.
+
+Every OpInfo of `torch.testing._internal.common_methods_invocations.op_db`, every requested
+dtype the op supports on the CPU and every sample of `op.sample_inputs("cpu", dtype)` runs on
+`tpu` and on the CPU; results must agree in dtype, shape and value (`torch.testing.assert_close`
+with its per-dtype default tolerances).  Mutated inputs are compared too.  Differentiable
+float32 samples also compare gradients of a fixed random projection of the outputs with respect
+to every input that requires grad, and `op.error_inputs` must raise the same exception type as
+on the CPU.
+
+The measurement runs with `torch.tpu.enable_cpu_fallback = False`: an op without a lowering
+reports `not_implemented`.  `fallback=True` additionally re-runs those samples with the CPU
+fallback on and counts how many it would have rescued (they still count as not implemented).
+
+API:  `run_op(opinfo, ...) -> dict`,  `select_ops(filters)`,  `summarize(results)`;
+CLI:  `python -m torchtpu.conformance --help`.
+"""
+import dataclasses
+import math
+import signal
+import time
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+DTYPES = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+    "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8, "bool": torch.bool,
+    "complex64": torch.complex64,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+# Ops whose values are random or uninitialised memory (PyTorch's own device comparison,
+# TestCommon.test_compare_cpu, skips them too): only dtypes, shapes and devices are compared.
+NONDETERMINISTIC = {
+    "bernoulli", "cauchy", "exponential", "geometric", "log_normal", "multinomial", "normal",
+    "normal.number_mean", "normal.in_place", "uniform", "rand_like", "randn_like",
+    "randint_like", "randint", "empty", "empty_like", "empty_strided", "empty_permuted",
+    "new_empty", "new_empty_strided", "nn.functional.dropout", "nn.functional.dropout2d",
+    "nn.functional.dropout3d", "nn.functional.alpha_dropout",
+    "nn.functional.feature_alpha_dropout.with_train", "nn.functional.rrelu",
+    "nn.functional.fractional_max_pool2d", "nn.functional.fractional_max_pool3d",
+    "svd_lowrank", "pca_lowrank", "torch._scaled_mm",
+}
+
+# Ops left out of the measurement on purpose, with the reason (listed in every report).
+SKIPPED = {
+}
+
+OUR_NOT_IMPLEMENTED = "not implemented for the tpu device"
+
+
+class SampleTimeout(Exception):
+    pass
+
+
+def full_name(op):
+    return op.name + ("." + op.variant_test_name if op.variant_test_name else "")
+
+
+def load_op_db():
+    from torch.testing._internal.common_methods_invocations import op_db
+    return op_db
+
+
+def select_ops(filters=None, op_db=None):
+    """OpInfos matching `filters` (names: exact `name` or `name.variant` match, else substring)."""
+    op_db = load_op_db() if op_db is None else op_db
+    if not filters:
+        return list(op_db)
+    chosen = []
+    for f in filters:
+        exact = [op for op in op_db if f in (op.name, full_name(op))]
+        chosen += exact or [op for op in op_db if f in full_name(op)]
+    seen, out = set(), []
+    for op in chosen:
+        if id(op) not in seen:
+            seen.add(id(op))
+            out.append(op)
+    return out
+
+
+# --- moving samples between devices ----------------------------------------------------------
+
+def _replicate(t, device):
+    """`t` on `device` with the same sizes, strides and storage offset (a fresh leaf)."""
+    if t.layout != torch.strided:
+        return t.detach().to(device)
+    with torch.no_grad():
+        if t.is_contiguous() or t.numel() == 0 or _is_dense(t):
+            out = t.detach().to(device, copy=True)
+            if out.stride() != t.stride() and t.numel() > 0:
+                out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+                out.copy_(t.detach())
+        else:
+            # A view with gaps or overlaps: copy the whole storage and take the same view.
+            n = t.untyped_storage().nbytes() // t.element_size()
+            flat = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), 0, (n,), (1,))
+            out = flat.to(device, copy=True).as_strided(t.shape, t.stride(), t.storage_offset())
+    out = out.detach()
+    if t.requires_grad:
+        out.requires_grad_(True)
+    return out
+
+
+def _is_dense(t):
+    dims = sorted((d for d in range(t.dim()) if t.shape[d] != 1), key=lambda d: -t.stride(d))
+    expected = 1
+    for d in reversed(dims):
+        if t.stride(d) != expected:
+            return False
+        expected *= t.shape[d]
+    return True
+
+
+def _to_device(tree, device):
+    dev = torch.device(device)
+
+    def move(x):
+        if isinstance(x, torch.Tensor):
+            return _replicate(x, dev)
+        if isinstance(x, torch.device) and x.type == "cpu":
+            return dev
+        return x
+
+    return tree_map(move, tree)
+
+
+def _fix_device_kwargs(kwargs, device):
+    out = dict(kwargs)
+    for k in ("device",):
+        v = out.get(k)
+        if isinstance(v, str) and v.startswith("cpu"):
+            out[k] = device
+    return out
+
+
+def _sample_parts(sample, device):
+    inp, args, kwargs = _to_device((sample.input, sample.args, sample.kwargs), device)
+    if device != "cpu":
+        kwargs = _fix_device_kwargs(kwargs, device)
+    return inp, args, kwargs
+
+
+# --- comparison -------------------------------------------------------------------------------
+
+class Mismatch(AssertionError):
+    pass
+
+
+def _short(msg, limit=240):
+    msg = " ".join(str(msg).split())
+    return msg if len(msg) <= limit else msg[: limit - 3] + "..."
+
+
+def _compare(actual, expected, what, values=True):
+    """Raise Mismatch unless the tpu result `actual` matches the CPU result `expected`."""
+    a_leaves, a_spec = tree_flatten(actual)
+    e_leaves, e_spec = tree_flatten(expected)
+    if len(a_leaves) != len(e_leaves):
+        raise Mismatch(f"{what}: {len(a_leaves)} results, expected {len(e_leaves)}")
+    for i, (a, e) in enumerate(zip(a_leaves, e_leaves)):
+        where = f"{what}[{i}]" if len(e_leaves) > 1 else what
+        if isinstance(e, torch.Tensor):
+            if not isinstance(a, torch.Tensor):
+                raise Mismatch(f"{where}: got {type(a).__name__}, expected a tensor")
+            if e.device.type == "cpu" and a.device.type not in ("tpu", "cpu"):
+                raise Mismatch(f"{where}: on {a.device}")
+            if a.dtype != e.dtype:
+                raise Mismatch(f"{where}: dtype {a.dtype}, expected {e.dtype}")
+            if tuple(a.shape) != tuple(e.shape):
+                raise Mismatch(f"{where}: shape {tuple(a.shape)}, expected {tuple(e.shape)}")
+            if not values or e.layout != torch.strided:
+                continue
+            a_cpu = a.detach().cpu()
+            e_cpu = e.detach()
+            if e_cpu.is_conj():
+                e_cpu = e_cpu.resolve_conj()
+            if e_cpu.is_neg():
+                e_cpu = e_cpu.resolve_neg()
+            try:
+                torch.testing.assert_close(a_cpu, e_cpu, equal_nan=True, check_device=False,
+                                           check_stride=False, check_layout=False)
+            except AssertionError as exc:
+                raise Mismatch(f"{where}: {_short(exc, 300)}") from None
+        elif isinstance(e, float) and values:
+            if not isinstance(a, (int, float)) or not (
+                    math.isclose(a, e, rel_tol=1.3e-6, abs_tol=1e-5)
+                    or (math.isnan(a) and math.isnan(e))):
+                raise Mismatch(f"{where}: {a!r}, expected {e!r}")
+        elif isinstance(e, (int, bool, str, torch.dtype, torch.Size, type(None))) and values:
+            if a != e:
+                raise Mismatch(f"{where}: {a!r}, expected {e!r}")
+
+
+def _projection(outputs):
+    """Tensors of `outputs` that carry a gradient."""
+    return [o for o in tree_flatten(outputs)[0]
+            if isinstance(o, torch.Tensor) and o.requires_grad
+            and (o.dtype.is_floating_point or o.dtype.is_complex)]
+
+
+def _weights(outs, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(o.shape, generator=g, dtype=o.dtype) for o in outs]
+
+
+def _grads(outputs, inputs, weights, device):
+    outs = _projection(outputs)
+    loss = None
+    for o, w in zip(outs, weights):
+        w = w.to(device)
+        term = (o * w).sum()
+        if term.is_complex():
+            term = term.real
+        loss = term if loss is None else loss + term
+    return torch.autograd.grad(loss, inputs, allow_unused=True)
+
+
+def _grad_inputs(parts):
+    return [t for t in tree_flatten(parts)[0]
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf]
+
+
+# --- running one sample -------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class SampleResult:
+    forward: str          # pass | mismatch | error | not_implemented | cpu_error
+    grad: str = None      # same statuses, None when the sample has no gradient to check
+    message: str = ""
+    grad_message: str = ""
+    fallback: str = None  # with fallback=True, for not_implemented samples: pass | fail
+
+
+def _classify_exc(exc):
+    # Our fallback's error, or PyTorch's own for a backend hook it has no kernel for
+    # (e.g. convolution_overrideable): either way an op the device does not implement.
+    if isinstance(exc, NotImplementedError):
+        return "not_implemented"
+    if isinstance(exc, SampleTimeout):
+        return "timeout"
+    return "error"
+
+
+def _exc_text(exc):
+    return _short(f"{type(exc).__name__}: {exc}")
+
+
+def run_sample(op, sample, *, grad=False, values=True, seed=0):
+    """Run one SampleInput on the CPU and on tpu and compare (forward, and grads if `grad`)."""
+    cpu_in, cpu_args, cpu_kwargs = _sample_parts(sample, "cpu")
+    try:
+        expected = op(cpu_in, *cpu_args, **cpu_kwargs)
+        cpu_exc = None
+    except Exception as exc:  # the CPU rejects the sample: tpu must raise the same type
+        cpu_exc = exc
+    tpu_in, tpu_args, tpu_kwargs = _sample_parts(sample, "tpu")
+    try:
+        actual = op(tpu_in, *tpu_args, **tpu_kwargs)
+    except SampleTimeout:
+        raise
+    except Exception as exc:
+        if cpu_exc is not None and isinstance(exc, type(cpu_exc)):
+            return SampleResult("pass", message=f"both raise {type(cpu_exc).__name__}")
+        status = _classify_exc(exc)
+        res = SampleResult(status, message=_exc_text(exc))
+        if grad and cpu_exc is None:
+            res.grad, res.grad_message = status, "forward failed"
+        return res
+    if cpu_exc is not None:
+        return SampleResult("mismatch", message=f"CPU raises {_exc_text(cpu_exc)}; tpu does not")
+    post = sample.output_process_fn_grad
+    try:
+        expected_p = post(expected)
+        actual_p = post(actual)
+        _compare(actual_p, expected_p, "output", values)
+        # In-place ops and out= samples: the mutated arguments must agree too.
+        _compare((tpu_in, tpu_args, tpu_kwargs), (cpu_in, cpu_args, cpu_kwargs), "input", values)
+        res = SampleResult("pass")
+    except Mismatch as exc:
+        res = SampleResult("mismatch", message=str(exc))
+    except SampleTimeout:
+        raise
+    except Exception as exc:
+        res = SampleResult(_classify_exc(exc), message=_exc_text(exc))
+    if not grad:
+        return res
+    cpu_inputs = _grad_inputs((cpu_in, cpu_args, cpu_kwargs))
+    outs = _projection(expected_p) if res.forward == "pass" else []
+    if not cpu_inputs or not outs:
+        return res
+    if res.forward != "pass":
+        res.grad, res.grad_message = res.forward, "forward failed"
+        return res
+    weights = _weights(outs, seed)
+    try:
+        g_cpu = _grads(expected_p, cpu_inputs, weights, "cpu")
+        g_exc = None
+    except Exception as exc:
+        g_exc = exc
+    try:
+        g_tpu = _grads(actual_p, _grad_inputs((tpu_in, tpu_args, tpu_kwargs)), weights, "tpu")
+    except SampleTimeout:
+        raise
+    except Exception as exc:
+        if g_exc is not None and isinstance(exc, type(g_exc)):
+            res.grad = "pass"
+        else:
+            res.grad, res.grad_message = _classify_exc(exc), _exc_text(exc)
+        return res
+    if g_exc is not None:
+        res.grad, res.grad_message = "mismatch", f"CPU backward raises {_exc_text(g_exc)}; tpu does not"
+        return res
+    try:
+        _compare(list(g_tpu), list(g_cpu), "grad", values)
+        res.grad = "pass"
+    except Mismatch as exc:
+        res.grad, res.grad_message = "mismatch", str(exc)
+    return res
+
+
+# --- running one op ---------------------------------------------------------------------------
+
+def _alarm(seconds):
+    if seconds and hasattr(signal, "SIGALRM"):
+        def handler(signum, frame):
+            raise SampleTimeout(f"sample took more than {seconds}s")
+        signal.signal(signal.SIGALRM, handler)
+        signal.alarm(int(seconds))
+
+
+def _cancel_alarm(seconds):
+    if seconds and hasattr(signal, "SIGALRM"):
+        signal.alarm(0)
+
+
+def _new_entry():
+    return {"status": "pass", "samples": 0, "passed": 0, "first_failure": "",
+            "counts": {}}
+
+
+_SEVERITY = ["pass", "not_implemented", "error", "timeout", "mismatch"]
+
+
+def _record(entry, status, message):
+    entry["samples"] += 1
+    entry["counts"][status] = entry["counts"].get(status, 0) + 1
+    if status == "pass":
+        entry["passed"] += 1
+        return
+    # The op's status is its worst sample's; its message the first sample failing that way.
+    if _SEVERITY.index(status) > _SEVERITY.index(entry["status"]):
+        entry["status"] = status
+        entry["first_failure"] = message
+    elif not entry["first_failure"]:
+        entry["first_failure"] = message
+
+
+def _finish(entry):
+    if entry["samples"] == 0:
+        entry["status"] = "no_samples"
+    return entry
+
+
+def _set_fallback(value):
+    torch.tpu.enable_cpu_fallback = value
+
+
+def run_op(op, dtypes=("float32",), *, max_samples=None, grad=True, errors=True,
+           fail_fast=False, timeout=120, fallback=False, seed=0):
+    """Run every sample of `op` for each of `dtypes` (names); returns a JSON-able dict."""
+    import torchtpu  # noqa: F401
+    name = full_name(op)
+    result = {"op": name, "dtypes": {}, "grad": None, "errors": None, "skipped": None,
+              "nondeterministic": name in NONDETERMINISTIC, "fallback": None, "seconds": 0.0}
+    if name in SKIPPED:
+        result["skipped"] = SKIPPED[name]
+        return result
+    _set_fallback(False)
+    start = time.time()
+    supported = op.supported_dtypes("cpu")
+    values = name not in NONDETERMINISTIC
+    fb = {"samples": 0, "passed": 0} if fallback else None
+    for dname in dtypes:
+        dtype = DTYPES[dname]
+        if dtype not in supported:
+            continue
+        entry = _new_entry()
+        result["dtypes"][dname] = entry
+        want_grad = grad and dtype == torch.float32 and op.supports_autograd
+        gentry = _new_entry() if want_grad else None
+        torch.manual_seed(seed)
+        try:
+            samples = op.sample_inputs("cpu", dtype, requires_grad=want_grad)
+        except Exception as exc:
+            _record(entry, "error", "sample_inputs failed: " + _exc_text(exc))
+            continue
+        k = 0
+        while max_samples is None or k < max_samples:
+            try:
+                _alarm(timeout)
+                try:
+                    sample = next(samples)
+                except StopIteration:
+                    break
+                except SampleTimeout:
+                    raise
+                except Exception as exc:
+                    _record(entry, "error", "sample_inputs failed: " + _exc_text(exc))
+                    break
+                res = run_sample(op, sample, grad=want_grad, values=values, seed=seed + k)
+            except SampleTimeout as exc:
+                res = SampleResult("timeout", message=str(exc))
+                if want_grad:
+                    res.grad, res.grad_message = "timeout", str(exc)
+            finally:
+                _cancel_alarm(timeout)
+            k += 1
+            _record(entry, res.forward, f"sample {k - 1}: {res.message}")
+            if gentry is not None and res.grad is not None:
+                _record(gentry, res.grad, f"sample {k - 1}: {res.grad_message}")
+            if fallback and "not_implemented" in (res.forward, res.grad):
+                fb["samples"] += 1
+                if _fallback_passes(op, sample, want_grad, values, seed + k - 1, timeout):
+                    fb["passed"] += 1
+            if fail_fast and (res.forward != "pass" or res.grad not in (None, "pass")):
+                break
+        _finish(entry)
+        if gentry is not None and gentry["samples"]:
+            result["grad"] = gentry
+    if errors:
+        result["errors"] = _run_error_inputs(op, timeout)
+    result["fallback"] = fb
+    result["seconds"] = round(time.time() - start, 2)
+    assert not torch.tpu.enable_cpu_fallback
+    return result
+
+
+def _fallback_passes(op, sample, grad, values, seed, timeout):
+    import warnings
+    _set_fallback(True)
+    try:
+        _alarm(timeout)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            res = run_sample(op, sample, grad=grad, values=values, seed=seed)
+        return res.forward == "pass" and res.grad in (None, "pass")
+    except Exception:
+        return False
+    finally:
+        _cancel_alarm(timeout)
+        _set_fallback(False)
+
+
+def _run_error_inputs(op, timeout):
+    if op.error_inputs_func is None:
+        return None
+    entry = _new_entry()
+    try:
+        error_inputs = list(op.error_inputs("cpu"))
+    except Exception as exc:
+        _record(entry, "error", "error_inputs failed: " + _exc_text(exc))
+        return entry
+    for k, ei in enumerate(error_inputs):
+        s = ei.sample_input
+        # Only error inputs the CPU itself rejects with the documented type are checked.
+        try:
+            cpu_in, cpu_args, cpu_kwargs = _sample_parts(s, "cpu")
+            op(cpu_in, *cpu_args, **cpu_kwargs)
+            continue
+        except Exception as exc:
+            if not isinstance(exc, ei.error_type):
+                continue
+            want = type(exc)
+        try:
+            _alarm(timeout)
+            tpu_in, tpu_args, tpu_kwargs = _sample_parts(s, "tpu")
+            op(tpu_in, *tpu_args, **tpu_kwargs)
+            _record(entry, "mismatch", f"error input {k}: tpu raises nothing, CPU raises {want.__name__}")
+        except SampleTimeout as exc:
+            _record(entry, "timeout", f"error input {k}: {exc}")
+        except Exception as exc:
+            if isinstance(exc, want):
+                _record(entry, "pass", "")
+            else:
+                _record(entry, "mismatch",
+                        f"error input {k}: tpu raises {_exc_text(exc)}, CPU raises {want.__name__}")
+        finally:
+            _cancel_alarm(timeout)
+    return _finish(entry) if entry["samples"] else None
+
+
+# --- totals -------------------------------------------------------------------------------------
+
+def summarize(results):
+    """Pass rates: float32 forward (ops), float32 grads (ops), other dtypes ((op, dtype) pairs),
+    error inputs (ops)."""
+    def rate(entries):
+        entries = list(entries)
+        passed = sum(1 for e in entries if e["status"] == "pass")
+        return {"passed": passed, "total": len(entries),
+                "percent": round(100.0 * passed / len(entries), 1) if entries else None}
+
+    measured = [r for r in results if not r["skipped"]]
+    f32 = [r["dtypes"]["float32"] for r in measured
+           if "float32" in r["dtypes"] and r["dtypes"]["float32"]["status"] != "no_samples"]
+    grads = [r["grad"] for r in measured if r["grad"] is not None]
+    others = [e for r in measured for d, e in r["dtypes"].items()
+              if d != "float32" and e["status"] != "no_samples"]
+    errors = [r["errors"] for r in measured if r["errors"] is not None]
+    samples = sum(e["samples"] for r in measured for e in r["dtypes"].values())
+    totals = {
+        "ops": len(results), "skipped": len(results) - len(measured), "samples": samples,
+        "forward_float32": rate(f32), "grad_float32": rate(grads),
+        "other_dtypes": rate(others), "error_inputs": rate(errors),
+        "per_dtype": {d: rate(r["dtypes"][d] for r in measured
+                              if d in r["dtypes"] and r["dtypes"][d]["status"] != "no_samples")
+                      for d in DTYPES},
+        "status_counts": {},
+    }
+    for e in f32:
+        totals["status_counts"][e["status"]] = totals["status_counts"].get(e["status"], 0) + 1
+    fb = [r["fallback"] for r in measured if r.get("fallback")]
+    if fb:
+        totals["fallback"] = {"samples": sum(f["samples"] for f in fb),
+                              "passed": sum(f["passed"] for f in fb)}
+    return totals

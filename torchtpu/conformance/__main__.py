@@ -1,0 +1,66 @@
+"""python -m torchtpu.conformance: the OpInfo sweep (see torchtpu/conformance/__init__.py)."""
+import argparse
+import json
+import sys
+import time
+
+from . import DTYPES, summarize
+from .pool import Progress, run_sweep
+from .report import format_table, format_totals, write_doc
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m torchtpu.conformance",
+                                description="Run PyTorch's OpInfo samples on tpu and on the CPU and compare.")
+    p.add_argument("--ops", default="", help="comma list of op names (exact name or name.variant, "
+                   "else substring filters); default: all of op_db")
+    p.add_argument("--dtypes", default="float32",
+                   help=f"comma list among {','.join(DTYPES)} or 'all' (default float32)")
+    p.add_argument("--max-samples", type=int, default=None, help="at most N samples per (op, dtype)")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes (each imports torchtpu); 0 = run in this process")
+    p.add_argument("--fail-fast", action="store_true", help="stop an (op, dtype) at its first failing sample")
+    p.add_argument("--no-grad", action="store_true", help="skip the float32 gradient checks")
+    p.add_argument("--no-errors", action="store_true", help="skip error_inputs")
+    p.add_argument("--fallback", action="store_true",
+                   help="also re-run not-implemented samples with the CPU fallback and count them")
+    p.add_argument("--timeout", type=int, default=120, help="seconds per sample (default 120)")
+    p.add_argument("--json", default=None, help="write the full results as JSON here")
+    p.add_argument("--write-doc", default=None, help="write a markdown coverage page here")
+    p.add_argument("--quiet", action="store_true", help="no progress bar, no per-op table")
+    args = p.parse_args(argv)
+
+    dtypes = list(DTYPES) if args.dtypes == "all" else [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    for d in dtypes:
+        if d not in DTYPES:
+            p.error(f"unknown dtype {d!r}; choose among {', '.join(DTYPES)}")
+    try:
+        from . import full_name, select_ops
+        ops = select_ops([f.strip() for f in args.ops.split(",") if f.strip()])
+    except ModuleNotFoundError as exc:
+        sys.exit(f"torch's OpInfo database needs {exc.name!r}: pip install {exc.name}")
+    names = list(dict.fromkeys(full_name(op) for op in ops))
+    if not names:
+        sys.exit(f"no OpInfo matches {args.ops!r}")
+    run_kwargs = dict(dtypes=tuple(dtypes), max_samples=args.max_samples, grad=not args.no_grad,
+                      errors=not args.no_errors, fail_fast=args.fail_fast, timeout=args.timeout,
+                      fallback=args.fallback)
+    start = time.time()
+    progress = Progress(len(names), enabled=not args.quiet)
+    results = run_sweep(names, run_kwargs, max(args.jobs, 0), progress)
+    seconds = time.time() - start
+    totals = summarize(results)
+    totals["seconds"] = round(seconds, 1)
+    command = "python -m torchtpu.conformance " + " ".join(argv if argv is not None else sys.argv[1:])
+    if not args.quiet:
+        print(format_table(results, dtypes))
+    print(format_totals(totals, command))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": command, "dtypes": dtypes, "totals": totals, "results": results},
+                      f, indent=1)
+    if args.write_doc:
+        write_doc(args.write_doc, results, totals, dtypes, command)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
