@@ -8,7 +8,7 @@ import torch
 
 from .._device import runtime, storage
 from .._device.dtypes import numpy_to_tensor, tensor_to_numpy, to_jax_dtype
-from .._execution import metrics, strided
+from .._execution import fused, metrics, strided
 from .._execution.kernels import kernel_for
 
 aten = torch.ops.aten
@@ -32,6 +32,7 @@ def value_of(t):
 
 def to_host(t):
     """A tpu tensor's value as a new contiguous CPU tensor (synchronises)."""
+    fused.flush("device_to_host")
     metrics.counters["device_to_host"] += 1
     a = np.array(jax.device_get(value_of(t)))  # writable: torch.from_numpy shares it
     return numpy_to_tensor(np.ascontiguousarray(a), t.dtype).reshape(t.shape)
@@ -41,7 +42,12 @@ def from_host(cpu, index):
     """A new contiguous tpu tensor holding a CPU tensor's values."""
     metrics.counters["host_to_device"] += 1
     cpu = cpu.detach().resolve_conj().resolve_neg().contiguous()
-    arr = jax.device_put(tensor_to_numpy(cpu), runtime.jax_device(index))
+    host = tensor_to_numpy(cpu)
+    if runtime.platform() == "cpu":
+        # The CPU client adopts suitably aligned host memory without copying, so the device
+        # array would change whenever the CPU tensor is later modified.
+        host = host.copy()
+    arr = jax.device_put(host, runtime.jax_device(index))
     return storage.wrap(arr, tuple(cpu.shape), storage.contiguous_strides(cpu.shape), cpu.dtype, index)
 
 
@@ -80,6 +86,7 @@ def _check_no_partial_overlap(dst, src):
 
 
 def _local_scalar_dense(self):
+    fused.flush("item")
     metrics.counters["device_to_host"] += 1
     return np.asarray(jax.device_get(value_of(self))).reshape(()).item()
 
