@@ -157,3 +157,10 @@ def test_data_dependent_ops_synchronise():
     assert torch.equal(t[t != 0].cpu(), a[a != 0])
     assert bool((t > 1).any()) is True
     assert torch.equal(torch.masked_select(t, t < 0).cpu(), torch.tensor([-2.0]))
+
+
+def test_device_copy_does_not_alias_the_host_tensor():
+    a = torch.arange(6.0)
+    t = a.to("tpu")
+    a.add_(100)
+    assert t.cpu().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
