@@ -57,6 +57,9 @@ def _status_word(r):
     return f["status"] if f else "-"
 
 
+_BATCH = 80
+
+
 def run_sweep(names, run_kwargs, jobs, progress):
     results = {}
     if jobs == 0:  # in this process (no isolation from crashes)
@@ -71,12 +74,14 @@ def run_sweep(names, run_kwargs, jobs, progress):
     while pending or retry_alone:
         # A worker dying (a crash inside XLA, out of memory) breaks the pool: the ops that were
         # in flight are retried one at a time, and one that kills its worker alone is reported.
+        # Fresh workers every `_BATCH` ops per worker bound the memory of cached executables.
         alone = bool(retry_alone) and not pending
-        batch = [retry_alone.pop(0)] if alone else pending
-        pending = [] if not alone else pending
+        if alone:
+            batch = [retry_alone.pop(0)]
+        else:
+            batch, pending = pending[:_BATCH * jobs], pending[_BATCH * jobs:]
         with cf.ProcessPoolExecutor(1 if alone else jobs, mp_context=ctx,
-                                    initializer=_init_worker,
-                                    max_tasks_per_child=None if alone else 60) as pool:
+                                    initializer=_init_worker) as pool:
             futures = {pool.submit(_run_in_worker, n, run_kwargs): n for n in batch}
             for fut in cf.as_completed(futures):
                 name = futures[fut]
