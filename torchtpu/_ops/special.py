@@ -1,0 +1,95 @@
+"""Special functions (torch.special.*, i0, polygamma, igamma, sinc, logit...).
+
+Half-precision inputs are computed in float32 and rounded once, as PyTorch's CPU kernels do."""
+import jax.numpy as jnp
+import jax.scipy.special as jss
+from jax import lax
+
+from .registry import lowering
+
+
+def _wide(fn):
+    def wrapped(*xs):
+        dt = jnp.result_type(*[jnp.asarray(x) for x in xs])
+        if dt in (jnp.bfloat16, jnp.float16):
+            return fn(*[jnp.asarray(x).astype(jnp.float32) for x in xs]).astype(dt)
+        return fn(*xs)
+    return wrapped
+
+
+def _unary(name, fn):
+    lowering(f"aten::{name}.default", promote=True)(_wide(fn))
+
+
+for _name, _fn in {
+    "i0": jss.i0, "special_i0e": jss.i0e, "special_i1": jss.i1, "special_i1e": jss.i1e,
+    "special_ndtri": jss.ndtri, "special_log_ndtr": jss.log_ndtr, "special_ndtr": jss.ndtr,
+    "special_erfcx": jss.erfcx, "special_entr": jss.entr,
+}.items():
+    _unary(_name, _fn)
+
+
+@lowering("aten::sinc.default", promote=True)
+@_wide
+def sinc(x):
+    px = jnp.pi * x
+    safe = jnp.where(x == 0, 1, px)
+    return jnp.where(x == 0, jnp.ones_like(x), jnp.sin(safe) / safe)
+
+
+@lowering("aten::logit.default", promote=True)
+def logit(x, eps=None):
+    if eps is not None:
+        x = jnp.clip(x, eps, 1 - eps)
+    return jnp.log(x / (1 - x))
+
+
+@lowering("aten::special_xlog1py.default", "aten::special_xlog1py.self_scalar",
+          "aten::special_xlog1py.other_scalar", promote=True)
+@_wide
+def xlog1py(x, y):
+    return jss.xlog1py(x, y)
+
+
+@lowering("aten::xlogy.Scalar_Self", "aten::xlogy.Scalar_Other", promote=True)
+def xlogy_scalar(x, y):
+    return jss.xlogy(x, y)
+
+
+@lowering("aten::special_zeta.default", "aten::special_zeta.self_scalar",
+          "aten::special_zeta.other_scalar", promote=True)
+@_wide
+def zeta(x, q):
+    # Hurwitz zeta; PyTorch gives inf at x == 1 and nan for x < 1.
+    r = jss.zeta(x, q)
+    return jnp.where(x == 1, jnp.inf, jnp.where(x < 1, jnp.nan, r))
+
+
+@lowering("aten::polygamma.default", promote=True)
+def polygamma(n, x):
+    if n == 0:
+        return _wide(jss.digamma)(x)
+    return _wide(lambda v: jss.polygamma(n, v))(x)
+
+
+@lowering("aten::igamma.default", promote=True)
+@_wide
+def igamma(a, x):
+    return jss.gammainc(a, x)
+
+
+@lowering("aten::igammac.default", promote=True)
+@_wide
+def igammac(a, x):
+    return jss.gammaincc(a, x)
+
+
+@lowering("aten::mvlgamma.default", promote=True)
+@_wide
+def mvlgamma(x, p):
+    return jss.multigammaln(x, p)
+
+
+@lowering("aten::nextafter.default", promote=True)
+def nextafter(x, y):
+    return lax.nextafter(x, y)
