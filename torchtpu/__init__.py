@@ -19,7 +19,7 @@ if not hasattr(torch.tpu, "_torchtpu_library"):
 
 def _install_kernels():
     from . import _ops  # noqa: F401  (fills the lowering table)
-    from ._execution import fallback, kernels
+    from ._execution import fallback, fused, kernels
     from ._ops import masks, transfer, views
 
     lib = torch.library.Library("aten", "IMPL")
@@ -29,6 +29,7 @@ def _install_kernels():
     kernels.register_table(lib, skip=manual)
     fallback_lib = torch.library.Library("_", "IMPL")
     fallback.register(fallback_lib)
+    fused.install()
     return lib, fallback_lib
 
 
@@ -46,3 +47,10 @@ def metrics():
 def reset_metrics():
     from ._execution import metrics as m
     m.reset()
+
+
+def clear_caches():
+    """Forget every compiled op and fused segment (the next calls compile again)."""
+    from ._execution import fused, kernels
+    kernels.clear_caches()
+    fused.clear_cache()

@@ -1,12 +1,14 @@
 """The device module PyTorch installs as `torch.tpu` (the analogue of `torch.cuda`)."""
 import contextlib
 import enum
+import sys
 import types
 
 import jax
 import torch
 
 from . import runtime, storage
+from .._execution import modes as _modes
 from .._execution import random as _random
 
 manual_seed = _random.manual_seed
@@ -110,8 +112,9 @@ class device_of(device):
 
 
 def synchronize(device=None):
-    """Wait until every queued op on the device has finished."""
-    from .._execution import sync
+    """Run any deferred (fused) ops, then wait until every queued op on the device has finished."""
+    from .._execution import fused, sync
+    fused.flush("synchronize")
     sync.synchronize(None if device is None else _index(device))
 
 
@@ -227,3 +230,25 @@ def jax_precision():
 # --- fallback ------------------------------------------------------------------------------
 
 enable_cpu_fallback = False
+
+
+# --- execution modes -----------------------------------------------------------------------
+
+EagerMode = _modes.EagerMode
+set_eager_mode = _modes.set_eager_mode
+get_eager_mode = _modes.get_eager_mode
+
+
+class _DeviceModule(types.ModuleType):
+    """Lets `torch.tpu.eager_mode` be read and assigned like an attribute."""
+
+    @property
+    def eager_mode(self):
+        return _modes.current
+
+    @eager_mode.setter
+    def eager_mode(self, mode):
+        _modes._set(mode)
+
+
+sys.modules[__name__].__class__ = _DeviceModule

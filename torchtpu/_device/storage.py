@@ -6,6 +6,7 @@ of the storage's elements in memory order; PyTorch keeps that object alive exact
 the storage, so device memory is freed with the last tensor that uses it.
 """
 import threading
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -48,14 +49,41 @@ def memory_stats_for(index):
     return s
 
 
-class DeviceBuffer:
-    """The device memory behind one storage: a JAX array (or None until first written)."""
+class Pending:
+    """The value of a storage that a deferred (fused) op will produce when its segment runs."""
 
-    __slots__ = ("array", "nbytes", "index", "dtype", "from_bytes")
+    __slots__ = ("trace", "slot", "owner")
+
+    def __init__(self, trace, slot):
+        self.trace = trace
+        self.slot = slot
+        self.owner = None  # weakref to the DeviceBuffer whose value this is
+
+
+class Failed:
+    """The value of a storage whose deferred op never ran because an earlier op failed."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error):
+        self.error = error
+
+
+# Set by the fused execution mode: runs pending work (argument: why) so values exist.
+flush_pending = None
+
+
+class DeviceBuffer:
+    """The device memory behind one storage: a JAX array (None until first written, or
+    `Pending` while a deferred op will produce it)."""
+
+    __slots__ = ("_array", "nbytes", "index", "dtype", "from_bytes", "__weakref__")
 
     def __init__(self, array, nbytes, index, dtype):
         self.from_bytes = False  # raw bytes from torch.load, not yet given their dtype
-        self.array = array
+        self._array = array
+        if type(array) is Pending:
+            array.owner = weakref.ref(self)
         self.nbytes = nbytes
         self.index = index
         self.dtype = dtype  # jax dtype of `array`'s elements
@@ -70,6 +98,22 @@ class DeviceBuffer:
         if s is not None:
             s.allocated -= self.nbytes
             s.num_free += 1
+
+    @property
+    def array(self):
+        a = self._array
+        if type(a) is Pending:
+            flush_pending("read")
+            a = self._array
+        if type(a) is Failed:
+            raise RuntimeError(
+                "This tensor has no value: an earlier deferred op failed with: "
+                f"{a.error!r}") from a.error
+        return a
+
+    @array.setter
+    def array(self, value):
+        self._array = value
 
     def value(self):
         """The array; storage created by `empty` materialises as zeros on first read."""

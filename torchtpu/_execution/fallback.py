@@ -17,6 +17,8 @@ def _fallback(op, *args, **kwargs):
             f"The operator '{name}' is not implemented for the tpu device. "
             "Set torch.tpu.enable_cpu_fallback = True to run it on the CPU instead.")
     from .._ops.transfer import to_host
+    from . import fused
+    fused.flush("cpu_fallback")
     if name not in _warned:
         _warned.add(name)
         warnings.warn(f"torchtpu: '{name}' has no tpu lowering and runs on the CPU "

@@ -26,3 +26,8 @@ def register_table(lib, skip=()):
         if overload in skip or _is_composite_implicit(overload):
             continue
         lib.impl(overload, kernel_for(overload), "PrivateUse1")
+
+
+def clear_caches():
+    for k in _kernels.values():
+        k.cache.clear()

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten
 from .._device import runtime, storage
 from .._device.dtypes import to_jax_dtype, to_torch_dtype
 from .._ops import registry
-from . import metrics, strided, sync
+from . import debug, fused, metrics, modes, strided, sync
 from .random import next_key_parts, key_from_parts
 
 _T, _TOPT, _TLIST, _SCALAR, _STATIC, _DEVICE, _SCALARLIST = range(7)
@@ -70,7 +70,7 @@ class _OutResized(Exception):
 
 
 class _Compiled:
-    __slots__ = ("fn", "out_specs", "wrap_specs", "writes", "check_info", "returns", "list_len")
+    __slots__ = ("key", "fn", "run", "out_specs", "wrap_specs", "writes", "check_info", "returns", "list_len")
 
 
 def _device_mismatch(a, b):
@@ -111,7 +111,6 @@ class OpKernel:
     def _call(self, args, kwargs):
         vals = self.bind(args, kwargs)
         key = []
-        arrays = []
         buffers = []
         scalars = []
         device = None
@@ -121,14 +120,14 @@ class OpKernel:
                 if v is None:
                     key.append(None)
                 else:
-                    device = self._tensor(v, key, arrays, buffers, scalars, device)
+                    device = self._tensor(v, key, buffers, scalars, device)
             elif kind == _TLIST:
                 key.append(len(v))
                 for t in v:
                     if t is None:
                         key.append(None)
                     else:
-                        device = self._tensor(t, key, arrays, buffers, scalars, device)
+                        device = self._tensor(t, key, buffers, scalars, device)
             elif kind == _SCALAR:
                 if v is None:
                     key.append(None)
@@ -148,7 +147,7 @@ class OpKernel:
                 key.append(_hashable(v))
         if device is None:
             device = runtime.current_device()
-        if not arrays:
+        if not buffers:
             key.append(torch.get_default_dtype())
         if self.low.random:
             scalars = list(next_key_parts(device)) + scalars
@@ -158,16 +157,41 @@ class OpKernel:
         key = tuple(key)
         compiled = self.cache.get(key)
         if compiled is None:
-            compiled = self._compile(key, vals, arrays, buffers, scalars, device)
+            compiled = self._compile(key, vals, buffers, scalars, device)
+        if modes.fused:
+            if not self.low.eager:
+                return fused.record(self, compiled, vals, buffers, scalars, device)
+            fused.flush("data_dependent")
+        arrays = [b.value() for b in buffers]
         if self.low.eager:
             return self._run_eager(compiled, vals, arrays, buffers, scalars, device)
         metrics.counters["ops"] += 1
-        outs, updated, checks = compiled.fn(*arrays, *scalars)
+        if modes.blocking:
+            outs, updated, checks = self._run_blocking(compiled, vals, arrays, scalars)
+        else:
+            outs, updated, checks = compiled.fn(*arrays, *scalars)
         if checks:
             self._raise_failed_checks(compiled, checks)
         return self._commit(compiled, vals, outs, updated, buffers, device)
 
-    def _tensor(self, t, key, arrays, buffers, scalars, device):
+    def _run_blocking(self, compiled, vals, arrays, scalars):
+        """Debug eager: wait for the op, and name it, its inputs and the caller on failure."""
+        try:
+            outs, updated, checks = compiled.fn(*arrays, *scalars)
+            jax.block_until_ready((outs, updated))
+        except Exception as e:
+            raise debug.attributed(e, self.overload, debug.describe_inputs(vals),
+                                   debug.user_frame(3)) from e
+        if modes.check_nans and not checks:
+            bad = debug.first_non_finite(list(outs) + list(updated))
+            if bad is not None:
+                raise RuntimeError(
+                    f"{self.overload} produced NaN or Inf (TORCHTPU_CHECK_NANS=1); inputs: "
+                    f"{debug.describe_inputs(vals)}; called from "
+                    f"{debug.format_where(debug.user_frame(3))}")
+        return outs, updated, checks
+
+    def _tensor(self, t, key, buffers, scalars, device):
         if not isinstance(t, torch.Tensor):
             # PyTorch hands wrapped numbers (`x + 1`) to Python kernels as plain numbers.
             key.append(type(t))
@@ -183,7 +207,6 @@ class OpKernel:
             j = _index_of(buffers, buf)
             if j == len(buffers):
                 buffers.append(buf)
-                arrays.append(buf.array if buf.array is not None else buf.value())
             key.append((t.dtype, t.shape, t.stride(), t.storage_offset(), j))
         elif t.dim() == 0 and t.device.type == "cpu":
             # A 0-dim CPU tensor mixes with device tensors (as with CUDA): its value is traced.
@@ -252,18 +275,19 @@ class OpKernel:
                 pos.append(v)
         return pos, kw
 
-    def _compile(self, key, vals, arrays, buffers, scalars, device):
+    def _compile(self, key, vals, buffers, scalars, device):
         with self.lock:
             compiled = self.cache.get(key)
             if compiled is not None:
                 return compiled
-            compiled = self._build(vals, arrays, buffers, scalars, device)
+            compiled = self._build(vals, buffers, scalars, device)
+            compiled.key = key
             if not self.low.eager:  # eager ops run un-jitted and are rebuilt per call
                 metrics.counters["compiles"] += 1
                 self.cache[key] = compiled
             return compiled
 
-    def _build(self, vals, arrays, buffers, scalars, device):
+    def _build(self, vals, buffers, scalars, device):
         compiled = _Compiled()
         pos, kw = self._meta_args(vals)
         if self.low.eager:
@@ -299,7 +323,7 @@ class OpKernel:
         elif promote == "common":
             tensors = [m for m in tree_flatten((pos, kw))[0] if isinstance(m, torch.Tensor)]
             promote_dtype = to_jax_dtype(torch.result_type(*tensors[:2])) if len(tensors) >= 2 else None
-        n_buf = len(arrays)
+        n_buf = len(buffers)
         # Only plain values may be captured: a captured tensor would never be freed.
         consts = {}
         for i in fargs_idx:
@@ -352,10 +376,8 @@ class OpKernel:
                 outs.append(strided.store(value, stride))
             return outs, [new_arrays[j] for j in compiled.writes], [c for c, _, _ in checks]
 
-        if low.eager:
-            compiled.fn = run
-        else:
-            compiled.fn = jax.jit(run)
+        compiled.run = run
+        compiled.fn = run if low.eager else jax.jit(run)
         compiled.check_info = check_info
         return compiled
 

@@ -1,0 +1,74 @@
+"""Pointing errors at the user's code: the op, its inputs and the line that called it."""
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import torch
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_internal_files = {}
+
+
+def _is_internal(filename):
+    internal = _internal_files.get(filename)
+    if internal is None:
+        internal = _internal_files[filename] = (
+            filename.startswith((_TORCH_DIR, _OWN_DIR)) or filename.startswith("<"))
+    return internal
+
+
+def user_frame(depth=2):
+    """(filename, line, function) of the innermost caller outside torch and torchtpu, or None
+    (e.g. for ops run by the autograd engine's own thread)."""
+    f = sys._getframe(depth)
+    while f is not None and _is_internal(f.f_code.co_filename):
+        f = f.f_back
+    if f is None:
+        return None
+    return f.f_code.co_filename, f.f_lineno, f.f_code.co_name
+
+
+def format_where(where):
+    if where is None:
+        return "outside user code (e.g. in the autograd engine)"
+    filename, line, function = where
+    return f"{filename}:{line} in {function}"
+
+
+def describe_inputs(vals):
+    parts = []
+    for v in vals:
+        if isinstance(v, torch.Tensor):
+            parts.append(f"Tensor{list(v.shape)} {str(v.dtype).replace('torch.', '')} on {v.device}")
+        elif isinstance(v, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in v):
+            parts.append("[" + ", ".join(describe_inputs(v)) + "]")
+        else:
+            parts.append(repr(v))
+    return ", ".join(parts)
+
+
+def describe_key(key):
+    """The tensor inputs recorded in an op's cache key, for ops whose tensors are gone."""
+    return ", ".join(f"Tensor{list(k[1])} {str(k[0]).replace('torch.', '')}" for k in key
+                     if isinstance(k, tuple) and len(k) == 5 and isinstance(k[0], torch.dtype))
+
+
+def attributed(error, op_name, inputs, where, note=""):
+    """`error` again, as the same exception type when possible, naming the op and the line."""
+    message = (f"{error}\n  [torchtpu] raised by {op_name}({inputs})\n"
+               f"  called from {format_where(where)}{note}")
+    try:
+        new = type(error)(message)
+    except Exception:
+        new = RuntimeError(message)
+    return new
+
+
+def first_non_finite(arrays):
+    """Index of the first floating/complex array holding NaN or Inf, or None (synchronises)."""
+    for i, a in enumerate(arrays):
+        if jnp.issubdtype(a.dtype, jnp.inexact) and not bool(jax.device_get(jnp.isfinite(a).all())):
+            return i
+    return None

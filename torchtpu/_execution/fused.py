@@ -1,0 +1,256 @@
+"""Fused eager (DEFER_AND_FUSE): ops are recorded, and run later as one compiled executable.
+
+Recording an op does what strict eager does up to the point of running it (key, meta kernel,
+the op's cached `run` function) and then only notes which values it reads and produces: each
+result is a `Pending` slot of the current trace, and new tensors are created at once with
+PyTorch's exact shapes/strides, so views, aliasing and autograd proceed as usual.
+
+The trace is flushed when a value must exist (a host read, a data-dependent op, a CPU
+fallback, `synchronize()`), at a bounded length, at `optimizer.step()` and when the mode or
+device changes.  A flush composes the recorded `run` functions into one function, jitted and
+cached by the trace's structure (which cached op executables ran on which values, and which
+results are still referenced), so a training loop compiles each distinct segment once and then
+only replays it.  Intermediate values that no live tensor holds are never materialised, and
+storages that the segment overwrites are donated to it where the platform supports donation.
+"""
+import os
+import time
+import weakref
+
+import jax
+import numpy as np
+
+from .._device import storage
+from .._device.storage import Failed, Pending
+from . import debug, metrics, modes, sync
+
+max_ops = int(os.environ.get("TORCHTPU_FUSE_MAX_OPS", "2048"))
+_MAX_SEGMENTS = 512
+
+
+class _Trace:
+    __slots__ = ("device", "signature", "where", "ext_arrays", "ext_ids", "scalars", "pendings")
+
+    def __init__(self, device):
+        self.device = device
+        self.signature = []   # per op: (its compiled executable, where its inputs come from, #scalars)
+        self.where = []       # per op: (kernel, user line) for error messages
+        self.ext_arrays = []  # arrays that existed before the trace, read by it
+        self.ext_ids = {}
+        self.scalars = []
+        self.pendings = []    # per slot
+
+
+_trace = None
+_segments = {}
+
+
+def record(kernel, compiled, vals, buffers, scalars, device):
+    global _trace
+    tr = _trace
+    if tr is None or tr.device != device:
+        if tr is not None:
+            flush("device_change")
+        tr = _trace = _Trace(device)
+    # An input is either a slot produced earlier in this trace (>= 0) or an external array (< 0).
+    wiring = []
+    for b in buffers:
+        a = b._array
+        if type(a) is Pending and a.trace is tr:
+            wiring.append(a.slot)
+            continue
+        a = b.value()
+        k = tr.ext_ids.get(id(a))
+        if k is None:
+            k = tr.ext_ids[id(a)] = len(tr.ext_arrays)
+            tr.ext_arrays.append(a)
+        wiring.append(-1 - k)
+    tr.signature.append((compiled, tuple(wiring), len(scalars)))
+    tr.where.append((kernel, debug.user_frame(3)))
+    tr.scalars.extend(scalars)
+    pendings = tr.pendings
+    new = []
+    for shape, stride, dtype, nbytes in compiled.wrap_specs:
+        p = Pending(tr, len(pendings))
+        pendings.append(p)
+        new.append(storage.wrap(p, shape, stride, dtype, device, nbytes))
+    for j in compiled.writes:
+        b = buffers[j]
+        p = Pending(tr, len(pendings))
+        p.owner = weakref.ref(b)
+        pendings.append(p)
+        b._array = p
+    metrics.counters["ops"] += 1
+    metrics.counters["fused_ops"] += 1
+    result = kernel._returns(compiled, vals, new)
+    if len(tr.signature) >= max_ops:
+        flush("max_ops")
+    return result
+
+
+def flush(reason):
+    """Run the pending trace (if any) now; `reason` is counted in the metrics."""
+    global _trace
+    tr = _trace
+    if tr is None:
+        return
+    _trace = None
+    metrics.counters["flushes"] += 1
+    metrics.counters[f"flush::{reason}"] += 1
+    outputs = []
+    for p in tr.pendings:
+        owner = p.owner()
+        if owner is not None and owner._array is p:
+            outputs.append(p.slot)
+    scalar_types = tuple(map(type, tr.scalars))
+    key = (tuple(tr.signature), tuple(outputs), scalar_types)
+    fn = _segments.get(key)
+    start = None
+    if fn is None:
+        metrics.counters["segment_compiles"] += 1
+        if len(_segments) >= _MAX_SEGMENTS:
+            _segments.pop(next(iter(_segments)))
+        fn = _segments[key] = jax.jit(_segment_function(tr.signature, outputs, scalar_types))
+        start = time.perf_counter()
+    else:
+        metrics.counters["segment_cache_hits"] += 1
+    try:
+        results, checks = fn(tr.ext_arrays, _pack_scalars(tr.scalars, scalar_types))
+        failed = _first_failed_check(checks)
+    except Exception:
+        failed = -1
+    if start is not None:
+        metrics.counters["compile_seconds"] += time.perf_counter() - start
+    if failed is not None:
+        _replay_and_raise(tr, reason)
+    for slot, array in zip(outputs, results):
+        p = tr.pendings[slot]
+        owner = p.owner()
+        if owner is not None and owner._array is p:
+            owner._array = array
+    if results:
+        sync.track(results[0])
+
+
+# Python numbers are passed to the segment packed into one array per type (one transfer
+# instead of one per number) and unpacked as weakly typed values, which is what a Python
+# number passed to a jitted function becomes: `x * 0.5` keeps x's dtype.
+_PACKED = {float: np.float64, int: np.int64, bool: np.bool_, complex: np.complex128}
+
+
+def _pack_scalars(scalars, types):
+    groups = {t: [] for t in _PACKED}
+    other = []
+    for v, t in zip(scalars, types):
+        (groups[t] if t in groups else other).append(v)
+    return [np.array(groups[t], dtype) for t, dtype in _PACKED.items()], other
+
+
+def _unpack_scalars(packed, types):
+    arrays, other = packed
+    position = dict.fromkeys(_PACKED, 0)
+    columns = dict(zip(_PACKED, arrays))
+    values = []
+    other_it = iter(other)
+    for t in types:
+        if t in columns:
+            v = columns[t][position[t]]
+            position[t] += 1
+            values.append(v if t is bool else _as_weak(v))
+        else:
+            values.append(next(other_it))
+    return values
+
+
+def _as_weak(v):
+    from jax._src.lax.lax import _convert_element_type
+    return _convert_element_type(v, weak_type=True)
+
+
+def _segment_function(signature, outputs, scalar_types):
+    def segment(ext, packed):
+        scalars = _unpack_scalars(packed, scalar_types)
+        slots = []
+        checks = []
+        pos = 0
+        for compiled, wiring, n_scalars in signature:
+            ins = [slots[w] if w >= 0 else ext[-1 - w] for w in wiring]
+            outs, updated, op_checks = compiled.run(*ins, *scalars[pos:pos + n_scalars])
+            pos += n_scalars
+            slots.extend(outs)
+            slots.extend(updated)
+            checks.append(op_checks)
+        return [slots[s] for s in outputs], checks
+
+    return segment
+
+
+def _first_failed_check(checks):
+    if not any(checks):
+        return None
+    for i, op_checks in enumerate(jax.device_get(checks)):
+        if op_checks and not all(bool(c) for c in op_checks):
+            return i
+    return None
+
+
+def _replay_and_raise(tr, reason):
+    """Something in the segment failed: run its ops one at a time, as strict eager would have,
+    keep the results of those before the failing op, and raise that op's error naming it and
+    the line that recorded it.  Values of the failing op and everything after it are lost."""
+    slots = []
+    pos = 0
+    for i, (compiled, wiring, n_scalars) in enumerate(tr.signature):
+        kernel, where = tr.where[i]
+        ins = [slots[w] if w >= 0 else tr.ext_arrays[-1 - w] for w in wiring]
+        try:
+            outs, updated, checks = compiled.fn(*ins, *tr.scalars[pos:pos + n_scalars])
+            if checks:
+                kernel._raise_failed_checks(compiled, checks)
+        except Exception as e:
+            error = debug.attributed(
+                e, kernel.overload, debug.describe_key(compiled.key), where,
+                note=f"\n  (a fused op: it ran when its segment was flushed, because of {reason})")
+            # The failing op's own in-place targets keep the value they had before it.
+            n_out = len(compiled.wrap_specs)
+            slots.extend([None] * n_out)
+            slots.extend(ins[j] for j in compiled.writes)
+            _commit(tr, slots)
+            for p in tr.pendings[len(slots):]:
+                owner = p.owner()
+                if owner is not None and owner._array is p:
+                    owner._array = Failed(error)
+            raise error from e
+        pos += n_scalars
+        slots.extend(outs)
+        slots.extend(updated)
+    _commit(tr, slots)
+
+
+def _commit(tr, slots):
+    for p, array in zip(tr.pendings, slots):
+        if array is None:
+            continue
+        owner = p.owner()
+        if owner is not None and owner._array is p:
+            owner._array = array
+
+
+def _on_optimizer_step(optimizer, args, kwargs):
+    if modes.fused:
+        flush("optimizer_step")
+
+
+def install():
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    storage.flush_pending = flush
+    register_optimizer_step_post_hook(_on_optimizer_step)
+
+
+def pending_ops():
+    return 0 if _trace is None else len(_trace.signature)
+
+
+def clear_cache():
+    _segments.clear()
+
