@@ -1,7 +1,30 @@
+import os
+
 import pytest
 import torch
 
 import torchtpu  # noqa: F401
+
+# The suites that must pass in every eager mode. The default run covers strict and fused;
+# TORCHTPU_TEST_MODES=strict,fused,debug (or =debug) selects others.
+MODE_MODULES = {"test_tensors", "test_ops", "test_errors", "test_training", "test_conformance"}
+MODES = {"strict": torch.tpu.EagerMode.DEFER_NEVER,
+         "fused": torch.tpu.EagerMode.DEFER_AND_FUSE,
+         "debug": torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING}
+SELECTED = os.environ.get("TORCHTPU_TEST_MODES", "strict,fused").split(",")
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.module.__name__.rsplit(".", 1)[-1] in MODE_MODULES:
+        metafunc.parametrize("eager_mode", SELECTED, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def eager_mode(request):
+    """Runs the test under the mode it was parametrised with (strict elsewhere)."""
+    name = getattr(request, "param", "strict")
+    with torch.tpu.set_eager_mode(MODES[name]):
+        yield name
 
 
 @pytest.fixture(autouse=True)

@@ -155,6 +155,11 @@ def test_multiple_devices_and_cross_device_copies():
             assert "same device" in str(e)
         else:
             raise AssertionError("no error")
+        with torch.tpu.set_eager_mode("DEFER_AND_FUSE"):  # one trace per device
+            d = a * 3
+            e = (b + 1).to("tpu:2") + d
+            assert torchtpu.metrics()["flush::device_change"] >= 1
+            assert e.device.index == 2 and e.cpu().tolist() == [[1, 6, 11], [16, 21, 26]]
         print("ok")
     """, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
     assert "ok" in out

@@ -1,4 +1,6 @@
 """Bad input raises PyTorch's exception types and leaves every tensor unchanged."""
+import contextlib
+
 import pytest
 import torch
 import warnings
@@ -26,17 +28,25 @@ def test_mixing_cpu_and_tpu_raises_but_0dim_cpu_mixes():
     assert torch.equal((a + torch.tensor(2.0)).cpu(), torch.full((3,), 3.0))
 
 
+@contextlib.contextmanager
+def raises_by_sync(exc_type):
+    """The error surfaces at the op (strict, debug) or when its fused segment runs (fused)."""
+    with pytest.raises(exc_type) as info:
+        yield info
+        torch.tpu.synchronize()
+
+
 def test_out_of_range_indices_raise_and_leave_tensors_intact():
     x = torch.arange(5.0, device="tpu")
-    with pytest.raises(IndexError):
+    with raises_by_sync(IndexError):
         x[torch.tensor([0, 7], device="tpu")]
-    with pytest.raises(IndexError):
+    with raises_by_sync(IndexError):
         x.index_put_((torch.tensor([9], device="tpu"),), torch.tensor([1.0], device="tpu"))
     assert x.cpu().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
     emb = torch.nn.Embedding(4, 2).to("tpu")
-    with pytest.raises(IndexError):
+    with raises_by_sync(IndexError):
         emb(torch.tensor([4], device="tpu"))
-    with pytest.raises(IndexError):
+    with raises_by_sync(IndexError):
         torch.gather(x, 0, torch.tensor([5], device="tpu"))
 
 
@@ -53,21 +63,28 @@ def test_missing_lowering_raises_not_implemented_naming_overload():
         torch.linalg.cholesky(x @ x.t())
 
 
-def test_cpu_fallback_runs_warns_once_and_counts():
+def test_cpu_fallback_runs_warns_once_and_counts(eager_mode):
+    # An op with only a CPU kernel, new for each mode (the warning is once per op and process).
+    lib = torch.library.Library(f"torchtpu_test_fallback_{eager_mode}", "DEF")
+    lib.define("scaled_cumsum(Tensor x, float scale) -> Tensor")
+    lib.impl("scaled_cumsum", lambda x, scale: torch.cumsum(x, 0) * scale, "CPU")
+    op = getattr(torch.ops, f"torchtpu_test_fallback_{eager_mode}").scaled_cumsum
     a = torch.randn(4, 4)
-    spd = a @ a.t() + 4 * torch.eye(4)
-    x = spd.to("tpu")
+    x = a.to("tpu")
+    with pytest.raises(NotImplementedError, match="scaled_cumsum"):
+        op(x, 2.0)
     torch.tpu.enable_cpu_fallback = True
     try:
         before = torchtpu.metrics().get("cpu_fallbacks", 0)
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
-            r1 = torch.linalg.cholesky(x)
-            r2 = torch.linalg.cholesky(x)
+            r1 = op(x, 2.0)
+            r2 = op(x + 1, 0.5)
         assert sum("cpu" in str(m.message).lower() for m in w) == 1
-        assert torchtpu.metrics()["cpu_fallbacks"] >= before + 2
+        assert torchtpu.metrics()["cpu_fallbacks"] == before + 2
         assert r1.device.type == "tpu"
-        torch.testing.assert_close(r2.cpu(), torch.linalg.cholesky(spd))
+        torch.testing.assert_close(r1.cpu(), torch.cumsum(a, 0) * 2.0)
+        torch.testing.assert_close(r2.cpu(), torch.cumsum(a + 1, 0) * 0.5)
     finally:
         torch.tpu.enable_cpu_fallback = False
 

@@ -1,0 +1,186 @@
+"""The eager modes: the API to choose one, fused recording/flushing/caching, debug errors.
+
+The other suites (tensors, ops, errors, training) run in every mode through conftest.py; this
+file checks what is specific to each mode. Tests that need one mode switch to it themselves."""
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchtpu
+from torchtpu._execution import fused, modes
+
+EagerMode = torch.tpu.EagerMode
+FUSED, STRICT, DEBUG = EagerMode.DEFER_AND_FUSE, EagerMode.DEFER_NEVER, EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
+
+
+def counts(*names):
+    m = torchtpu.metrics()
+    return tuple(m.get(n, 0) for n in names)
+
+
+def test_mode_api_property_and_context_manager():
+    start = torch.tpu.eager_mode
+    with torch.tpu.set_eager_mode(FUSED):
+        assert torch.tpu.eager_mode is FUSED
+        torch.tpu.eager_mode = DEBUG
+        assert torch.tpu.get_eager_mode() is DEBUG
+    assert torch.tpu.eager_mode is start
+    with pytest.raises(KeyError):
+        with torch.tpu.set_eager_mode("DEFER_NEVER_AND_LAUNCH_BLOCKING"):
+            assert torch.tpu.eager_mode is DEBUG
+            raise KeyError("restored even on exceptions")
+    assert torch.tpu.eager_mode is start
+    torch.tpu.set_eager_mode(STRICT)  # a plain call switches too
+    assert torch.tpu.eager_mode is STRICT
+    torch.tpu.eager_mode = start
+    with pytest.raises(ValueError, match="Unknown eager mode"):
+        torch.tpu.eager_mode = "lazy"
+
+
+@pytest.mark.parametrize("env, expected", [({}, "DEFER_NEVER"),
+                                           ({"TORCH_TPU_DEFER_AND_FUSE": "1"}, "DEFER_AND_FUSE"),
+                                           ({"TORCH_TPU_LAUNCH_BLOCKING": "1"},
+                                            "DEFER_NEVER_AND_LAUNCH_BLOCKING")])
+def test_mode_from_environment(env, expected):
+    full = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_TPU_")} | env
+    out = subprocess.run([sys.executable, "-c", "import torch, torchtpu; print(torch.tpu.eager_mode.name)"],
+                         env=full, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == expected
+
+
+def test_fused_defers_until_a_value_is_needed():
+    a = torch.randn(8, 8)
+    x = a.to("tpu")
+    torch.tpu.synchronize()
+    with torch.tpu.set_eager_mode(FUSED):
+        flushes = counts("flushes")[0]
+        y = (x * 2).sin() + x
+        y.t()[0].mul_(3)  # in place through a view
+        assert fused.pending_ops() == 4
+        assert counts("flushes")[0] == flushes
+        expected = (a * 2).sin() + a
+        expected.t()[0].mul_(3)
+        torch.testing.assert_close(y.cpu(), expected)
+        assert fused.pending_ops() == 0
+        assert counts("flush::device_to_host")[0] >= 1
+        s = y.sum()
+        assert s.item() == pytest.approx(expected.sum().item(), rel=1e-5)
+        assert counts("flush::item")[0] >= 1
+
+
+def test_fused_flush_reasons():
+    x = torch.randn(16, device="tpu")
+    with torch.tpu.set_eager_mode(FUSED):
+        torchtpu.reset_metrics()
+        (x + 1).nonzero()  # data-dependent shape
+        assert counts("flush::data_dependent") == (1,)
+        x.add_(1)
+        torch.tpu.synchronize()
+        assert counts("flush::synchronize") == (1,)
+        limit, fused.max_ops = fused.max_ops, 5
+        try:
+            for _ in range(12):
+                x.add_(1)
+        finally:
+            fused.max_ops = limit
+        assert counts("flush::max_ops") == (2,)
+        p = torch.nn.Parameter(torch.ones(3, device="tpu"))
+        opt = torch.optim.SGD([p], lr=0.1)
+        p.sum().backward()
+        opt.step()
+        assert counts("flush::optimizer_step") == (1,)
+        assert fused.pending_ops() == 0
+        torch.testing.assert_close(p.detach().cpu(), torch.full((3,), 0.9))
+
+
+@pytest.mark.parametrize("mode", [FUSED, STRICT])
+def test_steady_training_loop_compiles_nothing_after_warmup(mode):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).to("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(32, 8, device="tpu"), torch.randint(0, 4, (32,), device="tpu")
+
+    def step():
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    with torch.tpu.set_eager_mode(mode):
+        losses = [step() for _ in range(3)]  # warm-up: AdamW's first steps differ
+        before = counts("compiles", "segment_compiles", "segment_cache_hits")
+        losses += [step() for _ in range(4)]
+        after = counts("compiles", "segment_compiles", "segment_cache_hits")
+    assert after[:2] == before[:2], "a steady step compiled something"
+    if mode is FUSED:
+        assert after[2] - before[2] >= 4  # every step replayed a cached segment
+    assert losses[-1] < losses[0]
+
+
+def test_fused_error_names_op_and_line_and_keeps_inputs():
+    x = torch.arange(5.0, device="tpu")
+    with torch.tpu.set_eager_mode(FUSED):
+        y = x * 2                                          # runs fine
+        x.index_put_((torch.tensor([9], device="tpu"),), torch.tensor([1.0], device="tpu"))
+        z = y + 1                                          # recorded after the failing op
+        with pytest.raises(IndexError) as info:
+            torch.tpu.synchronize()
+        message = str(info.value)
+        assert "aten.index_put_" in message and "test_modes.py" in message
+        assert x.cpu().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+        assert y.cpu().tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
+        with pytest.raises(RuntimeError, match="earlier deferred op failed"):
+            z.cpu()
+
+
+_probe = torch.library.Library("torchtpu_test_modes", "DEF")
+_probe.define("cpu_only_twice(Tensor x) -> Tensor")
+_probe.impl("cpu_only_twice", lambda x: x * 2, "CPU")
+
+
+def test_fused_cpu_fallback_flushes_first(monkeypatch):
+    monkeypatch.setattr(torch.tpu, "enable_cpu_fallback", True)
+    x = torch.randn(6, device="tpu")
+    with torch.tpu.set_eager_mode(FUSED), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # warned once per op and process
+        before = counts("flush::cpu_fallback", "cpu_fallbacks")
+        r = torch.ops.torchtpu_test_modes.cpu_only_twice(x * 3)
+        assert r.device.type == "tpu"
+        torch.testing.assert_close(r.cpu(), x.cpu() * 6)
+        after = counts("flush::cpu_fallback", "cpu_fallbacks")
+    assert after[0] == before[0] + 1 and after[1] == before[1] + 1
+
+
+def test_debug_runtime_error_names_op_inputs_and_line(monkeypatch):
+    from torchtpu._execution.kernels import kernel_for
+    x = torch.ones(2, 3, device="tpu")
+    x + x  # compile
+    kernel = kernel_for(torch.ops.aten.add.Tensor)
+
+    def failing(*args):
+        raise RuntimeError("device reported an error")
+
+    for compiled in kernel.cache.values():
+        monkeypatch.setattr(compiled, "fn", failing)
+    with torch.tpu.set_eager_mode(DEBUG):
+        with pytest.raises(RuntimeError) as info:
+            x + x
+    message = str(info.value)
+    assert "device reported an error" in message
+    assert "aten.add.Tensor" in message and "Tensor[2, 3] float32" in message
+    assert "test_modes.py" in message
+
+
+def test_debug_nan_check(monkeypatch):
+    monkeypatch.setattr(modes, "check_nans", True)
+    x = torch.tensor([1.0, 0.0], device="tpu")
+    with torch.tpu.set_eager_mode(DEBUG):
+        x * 2
+        with pytest.raises(RuntimeError, match="NaN or Inf"):
+            torch.log(x)
