@@ -1,7 +1,10 @@
-"""ms/step of a GPT-style training step (forward, backward, AdamW) on tpu (strict eager) vs
-native torch CPU eager vs the same step written directly in JAX under one jax.jit.
+"""ms/step of a GPT-style training step (forward, backward, AdamW) on tpu in each eager mode
+vs native torch CPU eager vs the same step written directly in JAX under one jax.jit.
 
-    python benchmarks/train_step.py [--layers 4 --d-model 256 --heads 4 --seq 128 --batch 8 --vocab 1024]
+    python benchmarks/train_step.py [--mode strict,fused] [--layers 4 --d-model 256 --heads 4
+                                     --seq 128 --batch 8 --vocab 1024]
+
+Each mode starts from empty executable caches, so its first step shows its own warm-up.
 """
 import argparse
 import copy
@@ -77,6 +80,7 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--mode", default="strict,fused", help="comma list of strict, fused, debug")
     a = ap.parse_args()
     torch.manual_seed(0)
     model = GPT(a.vocab, a.d_model, a.heads, a.layers, a.seq)
@@ -95,13 +99,26 @@ def main():
     t_cpu = time_steps(torch_step(cpu_model, torch.optim.AdamW(cpu_model.parameters(), lr=1e-3), idx, tgt),
                        a.steps, lambda: None)
 
-    tpu_model = copy.deepcopy(model).to("tpu")
-    t0 = time.perf_counter()
-    first = torch_step(tpu_model, torch.optim.AdamW(tpu_model.parameters(), lr=1e-3), idx.to("tpu"), tgt.to("tpu"))
-    first()
-    torch.tpu.synchronize()
-    warmup = time.perf_counter() - t0
-    t_tpu = time_steps(first, a.steps, torch.tpu.synchronize)
+    modes = {"strict": torch.tpu.EagerMode.DEFER_NEVER, "fused": torch.tpu.EagerMode.DEFER_AND_FUSE,
+             "debug": torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING}
+    results = {}
+    for name in a.mode.split(","):
+        torchtpu.clear_caches()
+        with torch.tpu.set_eager_mode(modes[name]):
+            tpu_model = copy.deepcopy(model).to("tpu")
+            t0 = time.perf_counter()
+            step = torch_step(tpu_model, torch.optim.AdamW(tpu_model.parameters(), lr=1e-3),
+                              idx.to("tpu"), tgt.to("tpu"))
+            step()
+            torch.tpu.synchronize()
+            warmup = time.perf_counter() - t0
+            ms = time_steps(step, a.steps, torch.tpu.synchronize)
+            before = torchtpu.metrics()
+            step()
+            torch.tpu.synchronize()
+            after = torchtpu.metrics()
+            new_compiles = sum(after.get(k, 0) - before.get(k, 0) for k in ("compiles", "segment_compiles"))
+            results[name] = (ms, warmup, new_compiles)
 
     step, p, m, v = jax_step_fn(model)
     ji, jt = jnp.asarray(idx.numpy()), jnp.asarray(tgt.numpy())
@@ -115,10 +132,16 @@ def main():
     t_jax = time_steps(jstep, a.steps, lambda: state["loss"].block_until_ready())
 
     print(f"GPT {a.layers} layers, d_model {a.d_model}, {a.heads} heads, seq {a.seq}, batch {a.batch}, vocab {a.vocab}; AdamW")
-    print(f"  tpu strict eager : {t_tpu:9.1f} ms/step  ({t_tpu / t_cpu:.2f}x torch CPU)")
+    for name, (ms, _, new_compiles) in results.items():
+        print(f"  tpu {name:6s} eager : {ms:9.1f} ms/step  ({ms / t_cpu:.2f}x torch CPU)"
+              f"  [{new_compiles} compilations in a steady step]")
     print(f"  torch CPU eager  : {t_cpu:9.1f} ms/step  (1.00x)")
     print(f"  JAX, one jax.jit : {t_jax:9.1f} ms/step  ({t_jax / t_cpu:.2f}x torch CPU)")
-    print(f"  tpu first step (warm-up incl. compiles): {warmup:.1f} s = {warmup * 1e3 / t_cpu:.1f}x one torch CPU step")
+    if "strict" in results and "fused" in results:
+        print(f"  fused speed-up over strict: {results['strict'][0] / results['fused'][0]:.2f}x")
+    for name, (_, warmup, _) in results.items():
+        print(f"  tpu {name} first step (warm-up incl. compiles): {warmup:.1f} s = "
+              f"{warmup * 1e3 / t_cpu:.1f}x one torch CPU step")
 
 
 if __name__ == "__main__":
