@@ -22,6 +22,15 @@ def _conv(x, w, bias, stride, padding, dilation, transposed, output_padding, gro
     stride = _expand(stride, nd)
     padding = _expand(padding, nd)
     dilation = _expand(dilation, nd)
+    # Checks PyTorch's CPU kernel makes and its meta kernel does not.
+    if any(s <= 0 for s in stride):
+        raise RuntimeError("non-positive stride is not supported")
+    if any(d <= 0 for d in dilation):
+        raise RuntimeError("dilation should be greater than zero")
+    if any(p < 0 for p in padding):
+        raise RuntimeError("negative padding is not supported")
+    if groups <= 0:
+        raise RuntimeError("non-positive groups is not supported")
     if not transposed:
         y = lax.conv_general_dilated(
             x, w, window_strides=stride, padding=[(p, p) for p in padding],

@@ -85,25 +85,35 @@ def softplus(x, beta=1, threshold=20):
     return jnp.where(x * beta > threshold, x, jnp.log1p(jnp.exp(x * beta)) / beta)
 
 
+def _axis(x, dim):
+    # A 0-dim tensor takes dim 0 or -1 as its only "dimension".
+    return None if x.ndim == 0 else dim
+
+
 @lowering("aten::_softmax.default")
 def softmax(x, dim, half_to_float=False):
-    y = jax.nn.softmax(x.astype(jnp.float32) if half_to_float else x, axis=dim)
-    return y
+    x = x.astype(jnp.float32) if half_to_float else x
+    if x.ndim == 0:
+        return jnp.exp(x - x)  # 1, or nan for inf/nan as PyTorch computes it
+    return jax.nn.softmax(x, axis=dim)
 
 
 @lowering("aten::_log_softmax.default")
 def log_softmax(x, dim, half_to_float=False):
-    return jax.nn.log_softmax(x.astype(jnp.float32) if half_to_float else x, axis=dim)
+    x = x.astype(jnp.float32) if half_to_float else x
+    if x.ndim == 0:
+        return x - x
+    return jax.nn.log_softmax(x, axis=dim)
 
 
 @lowering("aten::_softmax_backward_data.default")
 def softmax_backward(grad, y, dim, input_dtype):
-    return (grad - jnp.sum(grad * y, axis=dim, keepdims=True)) * y
+    return (grad - jnp.sum(grad * y, axis=_axis(y, dim), keepdims=True)) * y
 
 
 @lowering("aten::_log_softmax_backward_data.default")
 def log_softmax_backward(grad, y, dim, input_dtype):
-    return grad - jnp.exp(y) * jnp.sum(grad, axis=dim, keepdims=True)
+    return grad - jnp.exp(y) * jnp.sum(grad, axis=_axis(y, dim), keepdims=True)
 
 
 def _layer_norm(x, normalized_shape, weight, bias, eps):

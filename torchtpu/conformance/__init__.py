@@ -153,8 +153,14 @@ def _short(msg, limit=240):
     return msg if len(msg) <= limit else msg[: limit - 3] + "..."
 
 
-def _compare(actual, expected, what, values=True):
-    """Raise Mismatch unless the tpu result `actual` matches the CPU result `expected`."""
+_LOOSE = {torch.float32: (1e-3, 1e-3), torch.complex64: (1e-3, 1e-3),
+          torch.float16: (1e-3, 1e-3), torch.bfloat16: (1.6e-2, 1e-3)}
+
+
+def _compare(actual, expected, what, values=True, loose=None, tensors_only=False):
+    """Raise Mismatch unless the tpu result `actual` matches the CPU result `expected`.
+    Appends to `loose` each result that matches only within PyTorch's device tolerance."""
+    loose = [] if loose is None else loose
     a_leaves, a_spec = tree_flatten(actual)
     e_leaves, e_spec = tree_flatten(expected)
     if len(a_leaves) != len(e_leaves):
@@ -182,7 +188,21 @@ def _compare(actual, expected, what, values=True):
                 torch.testing.assert_close(a_cpu, e_cpu, equal_nan=True, check_device=False,
                                            check_stride=False, check_layout=False)
             except AssertionError as exc:
-                raise Mismatch(f"{where}: {_short(exc, 300)}") from None
+                # PyTorch's own device-vs-CPU comparison (TestCommon.test_compare_cpu) allows
+                # atol = rtol = 1e-3 (accumulation order differs between backends); such a
+                # sample passes and is counted as `loose`.
+                rtol, atol = _LOOSE.get(e_cpu.dtype, (0, 0))
+                try:
+                    if not rtol:
+                        raise
+                    torch.testing.assert_close(a_cpu, e_cpu, equal_nan=True, check_device=False,
+                                               check_stride=False, check_layout=False,
+                                               rtol=rtol, atol=atol)
+                    loose.append(where)
+                except AssertionError:
+                    raise Mismatch(f"{where}: {_short(exc, 300)}") from None
+        elif tensors_only:
+            continue
         elif isinstance(e, float) and values:
             if not isinstance(a, (int, float)) or not (
                     math.isclose(a, e, rel_tol=1.3e-6, abs_tol=1e-5)
@@ -231,6 +251,8 @@ class SampleResult:
     message: str = ""
     grad_message: str = ""
     fallback: str = None  # with fallback=True, for not_implemented samples: pass | fail
+    loose: bool = False   # passed only within PyTorch's device tolerance (1e-3)
+    grad_loose: bool = False
 
 
 def _classify_exc(exc):
@@ -274,10 +296,12 @@ def run_sample(op, sample, *, grad=False, values=True, seed=0):
     try:
         expected_p = post(expected)
         actual_p = post(actual)
-        _compare(actual_p, expected_p, "output", values)
+        loose = []
+        _compare(actual_p, expected_p, "output", values, loose)
         # In-place ops and out= samples: the mutated arguments must agree too.
-        _compare((tpu_in, tpu_args, tpu_kwargs), (cpu_in, cpu_args, cpu_kwargs), "input", values)
-        res = SampleResult("pass")
+        _compare((tpu_in, tpu_args, tpu_kwargs), (cpu_in, cpu_args, cpu_kwargs), "input", values,
+                 loose, tensors_only=True)
+        res = SampleResult("pass", loose=bool(loose))
     except Mismatch as exc:
         res = SampleResult("mismatch", message=str(exc))
     except SampleTimeout:
@@ -313,8 +337,10 @@ def run_sample(op, sample, *, grad=False, values=True, seed=0):
         res.grad, res.grad_message = "mismatch", f"CPU backward raises {_exc_text(g_exc)}; tpu does not"
         return res
     try:
-        _compare(list(g_tpu), list(g_cpu), "grad", values)
+        loose = []
+        _compare(list(g_tpu), list(g_cpu), "grad", values, loose)
         res.grad = "pass"
+        res.grad_loose = bool(loose)
     except Mismatch as exc:
         res.grad, res.grad_message = "mismatch", str(exc)
     return res
@@ -336,15 +362,16 @@ def _cancel_alarm(seconds):
 
 
 def _new_entry():
-    return {"status": "pass", "samples": 0, "passed": 0, "first_failure": "",
+    return {"status": "pass", "samples": 0, "passed": 0, "loose": 0, "first_failure": "",
             "counts": {}}
 
 
 _SEVERITY = ["pass", "not_implemented", "error", "timeout", "mismatch"]
 
 
-def _record(entry, status, message):
+def _record(entry, status, message, loose=False):
     entry["samples"] += 1
+    entry["loose"] += bool(loose and status == "pass")
     entry["counts"][status] = entry["counts"].get(status, 0) + 1
     if status == "pass":
         entry["passed"] += 1
@@ -417,9 +444,9 @@ def run_op(op, dtypes=("float32",), *, max_samples=None, grad=True, errors=True,
             finally:
                 _cancel_alarm(timeout)
             k += 1
-            _record(entry, res.forward, f"sample {k - 1}: {res.message}")
+            _record(entry, res.forward, f"sample {k - 1}: {res.message}", res.loose)
             if gentry is not None and res.grad is not None:
-                _record(gentry, res.grad, f"sample {k - 1}: {res.grad_message}")
+                _record(gentry, res.grad, f"sample {k - 1}: {res.grad_message}", res.grad_loose)
             if fallback and "not_implemented" in (res.forward, res.grad):
                 fb["samples"] += 1
                 if _fallback_passes(op, sample, want_grad, values, seed + k - 1, timeout):
@@ -518,6 +545,9 @@ def summarize(results):
                               if d in r["dtypes"] and r["dtypes"][d]["status"] != "no_samples")
                       for d in DTYPES},
         "status_counts": {},
+        # ops passing only because some samples needed PyTorch's device tolerance (1e-3)
+        "loose_forward_float32": sum(1 for e in f32 if e["status"] == "pass" and e["loose"]),
+        "loose_grad_float32": sum(1 for e in grads if e["status"] == "pass" and e["loose"]),
     }
     for e in f32:
         totals["status_counts"][e["status"]] = totals["status_counts"].get(e["status"], 0) + 1
