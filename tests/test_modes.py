@@ -120,6 +120,7 @@ def test_steady_training_loop_compiles_nothing_after_warmup(mode):
     assert after[:2] == before[:2], "a steady step compiled something"
     if mode is FUSED:
         assert after[2] - before[2] >= 4  # every step replayed a cached segment
+        assert counts("donated_buffers")[0] > 0  # overwritten parameters/states are donated
     assert losses[-1] < losses[0]
 
 
@@ -184,3 +185,19 @@ def test_debug_nan_check(monkeypatch):
         x * 2
         with pytest.raises(RuntimeError, match="NaN or Inf"):
             torch.log(x)
+
+
+def test_fused_donates_only_arrays_nothing_else_holds():
+    from torchtpu._device import storage
+    x = torch.ones(4, device="tpu")
+    y = torch.ones(4, device="tpu")
+    with torch.tpu.set_eager_mode(FUSED):
+        for _ in range(3):  # the first flush of a structure never donates
+            held = storage.buffer_of(y).array  # someone else still refers to y's array
+            before = counts("donated_buffers")[0]
+            x.add_(1)
+            y.add_(1)
+            torch.tpu.synchronize()
+    assert counts("donated_buffers")[0] == before + 1  # x's old array only
+    assert not held.is_deleted() and held.tolist() == [3.0] * 4
+    assert x.cpu().tolist() == [4.0] * 4 and y.cpu().tolist() == [4.0] * 4

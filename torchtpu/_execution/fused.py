@@ -14,7 +14,9 @@ only replays it.  Intermediate values that no live tensor holds are never materi
 storages that the segment overwrites are donated to it where the platform supports donation.
 """
 import os
+import sys
 import time
+import warnings
 import weakref
 
 import jax
@@ -104,23 +106,36 @@ def flush(reason):
             outputs.append(p.slot)
     scalar_types = tuple(map(type, tr.scalars))
     key = (tuple(tr.signature), tuple(outputs), scalar_types)
-    fn = _segments.get(key)
+    segment = _segments.get(key)
+    if segment is None:
+        if len(_segments) >= _MAX_SEGMENTS:
+            _segments.pop(next(iter(_segments)))
+        segment = _segments[key] = _Segment(tr.signature, outputs, scalar_types)
+    donate = segment.donatable(tr.ext_arrays)
+    fn = segment.executables.get(donate)
     start = None
     if fn is None:
         metrics.counters["segment_compiles"] += 1
-        if len(_segments) >= _MAX_SEGMENTS:
-            _segments.pop(next(iter(_segments)))
-        fn = _segments[key] = jax.jit(_segment_function(tr.signature, outputs, scalar_types))
+        fn = segment.executables[donate] = jax.jit(
+            _segment_function(*segment.structure, donate), donate_argnums=(0,) if any(donate) else ())
         start = time.perf_counter()
     else:
         metrics.counters["segment_cache_hits"] += 1
+    donated = [a for a, d in zip(tr.ext_arrays, donate) if d]
+    kept = [a for a, d in zip(tr.ext_arrays, donate) if not d]
     try:
-        results, checks = fn(tr.ext_arrays, _pack_scalars(tr.scalars, scalar_types))
+        with warnings.catch_warnings():
+            # Donating a freed array that no output can reuse is harmless; JAX warns anyway.
+            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            results, checks = fn(donated, kept, _pack_scalars(tr.scalars, scalar_types))
         failed = _first_failed_check(checks)
     except Exception:
         failed = -1
     if start is not None:
         metrics.counters["compile_seconds"] += time.perf_counter() - start
+        segment.has_checks = any(c.check_info for c, _, _ in tr.signature)
+    metrics.counters["donated_buffers"] += len(donated)
+    del donated, kept
     if failed is not None:
         _replay_and_raise(tr, reason)
     for slot, array in zip(outputs, results):
@@ -167,8 +182,30 @@ def _as_weak(v):
     return _convert_element_type(v, weak_type=True)
 
 
-def _segment_function(signature, outputs, scalar_types):
-    def segment(ext, packed):
+class _Segment:
+    """One cached trace structure: its function, and executables per donation pattern."""
+
+    __slots__ = ("structure", "executables", "has_checks")
+
+    def __init__(self, signature, outputs, scalar_types):
+        self.structure = (signature, outputs, scalar_types)
+        self.executables = {}
+        self.has_checks = None  # known once traced
+
+    def donatable(self, ext_arrays):
+        """Per input array: may the segment consume it?  Only arrays nothing else refers to
+        (their storage was overwritten or freed within the trace), and only in segments
+        without index checks, whose failure must be replayed from intact inputs."""
+        if self.has_checks is not False:
+            return (False,) * len(ext_arrays)
+        # References: the list, the loop variable and getrefcount's argument.
+        return tuple(sys.getrefcount(a) <= 3 for a in ext_arrays)
+
+
+def _segment_function(signature, outputs, scalar_types, donate):
+    def segment(donated, kept, packed):
+        donated_it, kept_it = iter(donated), iter(kept)
+        ext = [next(donated_it) if d else next(kept_it) for d in donate]
         scalars = _unpack_scalars(packed, scalar_types)
         slots = []
         checks = []
