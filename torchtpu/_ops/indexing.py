@@ -29,6 +29,7 @@ def index_select(x, dim, index):
 def gather(x, dim, index, sparse_grad=False):
     if x.ndim == 0:
         return x.reshape(index.shape)
+    dim = dim % x.ndim
     check_index(index, x.shape[dim], "index out of bounds")
     # take_along_axis needs matching sizes on the other dims; PyTorch allows index to be smaller
     sl = tuple(slice(0, n) if d != dim else slice(None) for d, n in enumerate(index.shape))
