@@ -145,9 +145,14 @@ def buffer_of(t):
     return t.untyped_storage()._tpu
 
 
+_torch_devices = {}
+
+
 def new_storage(nbytes, index, array, dtype):
-    storage = _storage_from_pointer(
-        _reserve_address(nbytes), torch.device("tpu", index), nbytes)
+    device = _torch_devices.get(index)
+    if device is None:
+        device = _torch_devices[index] = torch.device("tpu", index)
+    storage = _storage_from_pointer(_reserve_address(nbytes), device, nbytes)
     storage._tpu = DeviceBuffer(array, nbytes, index, dtype)
     return storage
 

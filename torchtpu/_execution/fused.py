@@ -45,6 +45,7 @@ class _Trace:
 
 _trace = None
 _segments = {}
+_Array = type(jax.numpy.zeros(()))
 
 
 def record(kernel, compiled, vals, buffers, scalars, device):
@@ -61,7 +62,8 @@ def record(kernel, compiled, vals, buffers, scalars, device):
         if type(a) is Pending and a.trace is tr:
             wiring.append(a.slot)
             continue
-        a = b.value()
+        if a is None or type(a) is not _Array:
+            a = b.value()
         k = tr.ext_ids.get(id(a))
         if k is None:
             k = tr.ext_ids[id(a)] = len(tr.ext_arrays)
@@ -82,8 +84,6 @@ def record(kernel, compiled, vals, buffers, scalars, device):
         p.owner = weakref.ref(b)
         pendings.append(p)
         b._array = p
-    metrics.counters["ops"] += 1
-    metrics.counters["fused_ops"] += 1
     result = kernel._returns(compiled, vals, new)
     if len(tr.signature) >= max_ops:
         flush("max_ops")
@@ -97,6 +97,8 @@ def flush(reason):
     if tr is None:
         return
     _trace = None
+    metrics.counters["ops"] += len(tr.signature)
+    metrics.counters["fused_ops"] += len(tr.signature)
     metrics.counters["flushes"] += 1
     metrics.counters[f"flush::{reason}"] += 1
     outputs = []
