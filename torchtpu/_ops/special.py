@@ -93,3 +93,8 @@ def mvlgamma(x, p):
 @lowering("aten::nextafter.default", promote=True)
 def nextafter(x, y):
     return lax.nextafter(x, y)
+
+
+@lowering("aten::conj_physical.default")
+def conj_physical(x):
+    return jnp.conj(x)

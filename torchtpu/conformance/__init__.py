@@ -343,6 +343,10 @@ def run_sample(op, sample, *, grad=False, values=True, seed=0):
         res.grad_loose = bool(loose)
     except Mismatch as exc:
         res.grad, res.grad_message = "mismatch", str(exc)
+    except SampleTimeout:
+        raise
+    except Exception as exc:
+        res.grad, res.grad_message = _classify_exc(exc), _exc_text(exc)
     return res
 
 

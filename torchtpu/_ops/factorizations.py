@@ -1,0 +1,169 @@
+"""Matrix factorizations and solvers (the linalg.* aten primitives XLA supports).
+
+PyTorch conventions kept: LU pivots are 1-based int32 (LAPACK's), `info` outputs are int32
+zeros (XLA reports a failed factorization with NaNs instead of an error code), and ops that
+return factorizations for their backward (det, slogdet, solve) return PyTorch's LU layout."""
+import jax.numpy as jnp
+import jax.scipy.linalg as jsl
+from jax import lax
+
+from .registry import lowering
+
+
+def _info(a):
+    return jnp.zeros(a.shape[:-2], jnp.int32)
+
+
+def _mT(a):
+    return jnp.swapaxes(a, -1, -2)
+
+
+def _lu(a):
+    lu, piv, perm = lax.linalg.lu(a)
+    return lu, (piv + 1).astype(jnp.int32), perm
+
+
+@lowering("aten::_linalg_svd.default")
+def linalg_svd(a, full_matrices=False, compute_uv=True, driver=None):
+    if not compute_uv:
+        return jnp.zeros((0,), a.dtype), jnp.linalg.svd(a, compute_uv=False), jnp.zeros((0,), a.dtype)
+    u, s, vh = jnp.linalg.svd(a, full_matrices=full_matrices)
+    return u, s, vh
+
+
+@lowering("aten::linalg_qr.default")
+def linalg_qr(a, mode="reduced"):
+    if mode == "r":
+        return jnp.zeros((0,), a.dtype), jnp.linalg.qr(a, mode="r")
+    q, r = jnp.linalg.qr(a, mode=mode)
+    return q, r
+
+
+@lowering("aten::_linalg_eigh.default")
+def linalg_eigh(a, UPLO="L", compute_v=True):
+    w, v = jnp.linalg.eigh(a, UPLO=UPLO, symmetrize_input=False)
+    return w, (v if compute_v else jnp.zeros((0,), a.dtype))
+
+
+@lowering("aten::linalg_inv_ex.default")
+def linalg_inv_ex(a, check_errors=False):
+    return jnp.linalg.inv(a), _info(a)
+
+
+@lowering("aten::linalg_cholesky_ex.default")
+def linalg_cholesky_ex(a, upper=False, check_errors=False):
+    l = jnp.linalg.cholesky(a)
+    if upper:
+        l = jnp.conj(_mT(l))
+    return l, _info(a)
+
+
+@lowering("aten::cholesky.default")
+def cholesky(a, upper=False):
+    return linalg_cholesky_ex(a, upper)[0]
+
+
+@lowering("aten::linalg_lu_factor_ex.default")
+def linalg_lu_factor_ex(a, pivot=True, check_errors=False):
+    if not pivot:
+        raise NotImplementedError("linalg.lu_factor(pivot=False) has no tpu lowering")
+    lu, piv, _ = _lu(a)
+    return lu, piv, _info(a)
+
+
+@lowering("aten::_linalg_det.default")
+def linalg_det(a):
+    lu, piv, perm = _lu(a)
+    n = a.shape[-1]
+    parity = jnp.sum(piv != jnp.arange(1, n + 1, dtype=jnp.int32), axis=-1) % 2
+    sign = jnp.where(parity == 1, -1, 1).astype(a.dtype)
+    det = sign * jnp.prod(jnp.diagonal(lu, axis1=-2, axis2=-1), axis=-1)
+    return det, lu, piv
+
+
+@lowering("aten::_linalg_slogdet.default")
+def linalg_slogdet(a):
+    lu, piv, _ = _lu(a)
+    n = a.shape[-1]
+    diag = jnp.diagonal(lu, axis1=-2, axis2=-1)
+    parity = jnp.sum(piv != jnp.arange(1, n + 1, dtype=jnp.int32), axis=-1) % 2
+    if jnp.iscomplexobj(a):
+        sign = jnp.prod(diag / jnp.abs(diag), axis=-1) * jnp.where(parity == 1, -1, 1)
+    else:
+        sign = jnp.prod(jnp.sign(diag), axis=-1) * jnp.where(parity == 1, -1, 1)
+    logabs = jnp.sum(jnp.log(jnp.abs(diag)), axis=-1)
+    return sign.astype(a.dtype), logabs, lu, piv
+
+
+@lowering("aten::_linalg_solve_ex.default")
+def linalg_solve_ex(a, b, left=True, check_errors=False):
+    lu, piv, perm = _lu(a)
+    # PyTorch treats b as a batch of vectors when b.ndim == 1 or b is a batch of a's columns.
+    vector = b.ndim == 1 or (b.ndim == a.ndim - 1 and b.shape == a.shape[:-1])
+    if not left:
+        # x a = b  <=>  a^T x^T = b^T
+        x = jnp.linalg.solve(_mT(a), _mT(b))
+        return _mT(x), lu, piv, _info(a)
+    if vector:
+        x = jnp.linalg.solve(a, b[..., None])[..., 0]
+    else:
+        x = jnp.linalg.solve(a, b)
+    return x, lu, piv, _info(a)
+
+
+@lowering("aten::linalg_solve_triangular.default")
+def linalg_solve_triangular(a, b, upper, left=True, unitriangular=False):
+    a, b = jnp.broadcast_arrays(a, b) if a.ndim != b.ndim else (a, b)
+    batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a = jnp.broadcast_to(a, batch + a.shape[-2:])
+    b = jnp.broadcast_to(b, batch + b.shape[-2:])
+    return lax.linalg.triangular_solve(a, b, left_side=left, lower=not upper,
+                                       unit_diagonal=unitriangular)
+
+
+@lowering("aten::triangular_solve.default")
+def triangular_solve(b, a, upper=True, transpose=False, unitriangular=False):
+    batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a = jnp.broadcast_to(a, batch + a.shape[-2:])
+    b = jnp.broadcast_to(b, batch + b.shape[-2:])
+    x = lax.linalg.triangular_solve(a, b, left_side=True, lower=not upper,
+                                    transpose_a=transpose, unit_diagonal=unitriangular)
+    return x, a
+
+
+@lowering("aten::linalg_matrix_exp.default")
+def linalg_matrix_exp(a):
+    return jsl.expm(a)
+
+
+@lowering("aten::lu_unpack.default")
+def lu_unpack(lu, pivots, unpack_data=True, unpack_pivots=True):
+    m, n = lu.shape[-2], lu.shape[-1]
+    k = min(m, n)
+    if unpack_data:
+        l = jnp.tril(lu[..., :, :k], -1) + jnp.eye(m, k, dtype=lu.dtype)
+        u = jnp.triu(lu[..., :k, :])
+    else:
+        l = u = jnp.zeros((0,), lu.dtype)
+    if unpack_pivots:
+        perm = lax.linalg.lu_pivots_to_permutation(pivots.astype(jnp.int32) - 1, m)
+        # perm[i] is the row of A at row i of L U, so A = P L U with P[perm[i], i] = 1.
+        p = _mT(jnp.eye(m, dtype=lu.dtype)[perm])
+    else:
+        p = jnp.zeros((0,), lu.dtype)
+    return p, l, u
+
+
+@lowering("aten::linalg_lu_solve.default")
+def linalg_lu_solve(lu, pivots, b, left=True, adjoint=False):
+    batch = jnp.broadcast_shapes(lu.shape[:-2], b.shape[:-2])
+    lu = jnp.broadcast_to(lu, batch + lu.shape[-2:])
+    pivots = jnp.broadcast_to(pivots, batch + pivots.shape[-1:])
+    b = jnp.broadcast_to(b, batch + b.shape[-2:])
+    piv = pivots.astype(jnp.int32) - 1
+    if left:
+        return jsl.lu_solve((lu, piv), b, trans=2 if adjoint else 0)
+    # x A = b  <=>  A^T x^T = b^T ;  x A^H = b  <=>  A x^H = b^H
+    if adjoint:
+        return jnp.conj(_mT(jsl.lu_solve((lu, piv), jnp.conj(_mT(b)), trans=0)))
+    return _mT(jsl.lu_solve((lu, piv), _mT(b), trans=1))
