@@ -1,0 +1,1 @@
+"""The device: registration, runtime, storages, dtypes, the torch.tpu module."""

@@ -1,0 +1,1 @@
+"""Running ops: strict, fused and debug eager, kernels, fallback, random state, metrics."""
