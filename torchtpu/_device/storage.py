@@ -5,6 +5,7 @@ identity (never dereferenced). Its Python object carries a `DeviceBuffer` holdin
 of the storage's elements in memory order; PyTorch keeps that object alive exactly as long as
 the storage, so device memory is freed with the last tensor that uses it.
 """
+import functools
 import threading
 import weakref
 
@@ -94,7 +95,7 @@ class DeviceBuffer:
             s.peak = s.allocated
 
     def __del__(self):
-        s = _stats.get(self.index)
+        s = _stats.get(getattr(self, "index", None))
         if s is not None:
             s.allocated -= self.nbytes
             s.num_free += 1
@@ -120,9 +121,15 @@ class DeviceBuffer:
         a = self.array
         if a is None:
             itemsize = jnp.dtype(self.dtype).itemsize
-            a = self.array = jax.device_put(
-                jnp.zeros((self.nbytes // itemsize,), self.dtype), runtime.jax_device(self.index))
+            a = self.array = _zeros(self.nbytes // itemsize, jnp.dtype(self.dtype), self.index)()
         return a
+
+
+@functools.lru_cache(maxsize=1024)
+def _zeros(n, dtype, index):
+    """A cached executable making n zeros on a device (eager jnp.zeros costs far more)."""
+    return jax.jit(lambda: jnp.zeros((n,), dtype), out_shardings=jax.sharding.SingleDeviceSharding(
+        runtime.jax_device(index)))
 
 
 def retype_loaded(buf, dtype):
