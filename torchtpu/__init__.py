@@ -30,6 +30,8 @@ def _install_kernels():
     fallback_lib = torch.library.Library("_", "IMPL")
     fallback.register(fallback_lib)
     fused.install()
+    from ._compile import backend
+    backend.register()
     return lib, fallback_lib
 
 

@@ -31,7 +31,8 @@ _MAX_SEGMENTS = 512
 
 
 class _Trace:
-    __slots__ = ("device", "signature", "where", "ext_arrays", "ext_ids", "scalars", "pendings")
+    __slots__ = ("device", "signature", "where", "ext_arrays", "ext_ids", "scalars", "pendings",
+                 "captured")
 
     def __init__(self, device):
         self.device = device
@@ -41,6 +42,7 @@ class _Trace:
         self.ext_ids = {}
         self.scalars = []
         self.pendings = []    # per slot
+        self.captured = False  # taken over by torch.compile: never flushed
 
 
 _trace = None
@@ -85,9 +87,34 @@ def record(kernel, compiled, vals, buffers, scalars, device):
         pendings.append(p)
         b._array = p
     result = kernel._returns(compiled, vals, new)
-    if len(tr.signature) >= max_ops:
+    if len(tr.signature) >= max_ops and not tr.captured:
         flush("max_ops")
     return result
+
+
+class CaptureBroken(RuntimeError):
+    """Something forced the ops being captured to run (a data-dependent op, a host read, a
+    CPU fallback, another device): they cannot form one function."""
+
+
+def capture(fn, device):
+    """Record the ops `fn()` runs into a fresh trace that the caller takes over (it is not
+    run here); returns (trace, fn's result)."""
+    global _trace
+    flush("capture")
+    previous = modes.current
+    modes._set(modes.EagerMode.DEFER_AND_FUSE)
+    tr = _trace = _Trace(device)
+    tr.captured = True
+    try:
+        result = fn()
+    finally:
+        intact = _trace is tr
+        _trace = None
+        modes._set(previous)
+    if not intact:
+        raise CaptureBroken("the captured ops were forced to run part-way")
+    return tr, result
 
 
 def flush(reason):
@@ -97,6 +124,8 @@ def flush(reason):
     if tr is None:
         return
     _trace = None
+    if tr.captured:
+        raise CaptureBroken(f"the ops being captured had to run part-way ({reason})")
     metrics.counters["ops"] += len(tr.signature)
     metrics.counters["fused_ops"] += len(tr.signature)
     metrics.counters["flushes"] += 1
@@ -140,6 +169,7 @@ def flush(reason):
     del donated, kept
     if failed is not None:
         _replay_and_raise(tr, reason)
+        return
     for slot, array in zip(outputs, results):
         p = tr.pendings[slot]
         owner = p.owner()

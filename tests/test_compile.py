@@ -1,0 +1,182 @@
+"""torch.compile(backend="tpu"): compiled vs eager vs CPU, training, graph breaks, errors."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchtpu
+from torchtpu.examples.models import GPT, MLP
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def counts(*names):
+    m = torchtpu.metrics()
+    return tuple(m.get(n, 0) for n in names)
+
+
+def _close(tpu, cpu, rtol=1e-4, atol=1e-5):
+    assert tpu.device.type == "tpu"
+    torch.testing.assert_close(tpu.cpu(), cpu, rtol=rtol, atol=atol)
+
+
+def test_function_forward_and_backward_match_cpu():
+    def f(x, w):
+        return F.gelu(x @ w).softmax(-1).sum(-1)
+
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    xt, wt = (t.detach().to("tpu").requires_grad_() for t in (x, w))
+    g = torch.compile(f, backend="tpu")
+    out = g(xt, wt)
+    ref = f(x, w)
+    _close(out, ref)
+    out.sum().backward()
+    ref.sum().backward()
+    _close(xt.grad, x.grad)
+    _close(wt.grad, w.grad)
+    eager = f(xt.detach(), wt.detach())
+    _close(out.detach(), eager.cpu())
+
+
+def test_repeated_calls_replay_one_executable():
+    g = torch.compile(lambda x: (x * 2).relu() + 1, backend="tpu")
+    x = torch.randn(16, device="tpu")
+    g(x)
+    before = counts("graph_compiles", "graph_cache_hits")
+    for _ in range(3):
+        out = g(x)
+    after = counts("graph_compiles", "graph_cache_hits")
+    assert after[0] == before[0] and after[1] == before[1] + 3
+    _close(out, (x.cpu() * 2).relu() + 1)
+
+
+def test_default_backend_routes_tpu_inputs_here():
+    g = torch.compile(lambda x: torch.sin(x) * 3)  # no backend: inductor cannot do tpu
+    x = torch.randn(5, device="tpu")
+    before = counts("graph_captures")[0]
+    _close(g(x), torch.sin(x.cpu()) * 3)
+    assert counts("graph_captures")[0] == before + 1
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+def test_models_inference_match_eager_and_cpu(kind):
+    torch.manual_seed(0)
+    if kind == "mlp":
+        model, x = MLP(), torch.randn(8, 32)
+    else:
+        model, x = GPT(vocab=64, d_model=32, n_heads=4, n_layers=2, seq=16), torch.randint(0, 64, (2, 16))
+    model.eval()
+    tm = copy.deepcopy(model).to("tpu")
+    compiled = torch.compile(tm, backend="tpu")
+    with torch.no_grad():
+        ref = model(x)
+        eager = tm(x.to("tpu"))
+        out = compiled(x.to("tpu"))
+    _close(out, ref)
+    _close(out, eager.cpu())
+
+
+def test_graph_break_runs_the_rest_eagerly():
+    def f(x):
+        y = x.sin() * 2
+        print("graph break", end="")  # unsupported Python: Dynamo splits the graph here
+        return (y + 1).cos()
+
+    x = torch.randn(6)
+    out = torch.compile(f, backend="tpu")(x.to("tpu"))
+    _close(out, f(x))
+
+
+def test_in_place_heavy_function_mutates_inputs():
+    def f(a, b):
+        a.add_(1).mul_(b)
+        b[1:].zero_()
+        a.t()[0].sub_(5)
+        return a + b
+
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    at, bt = a.to("tpu"), b.to("tpu")
+    out = torch.compile(f, backend="tpu")(at, bt)
+    ref = f(a, b)
+    _close(out, ref)
+    _close(at, a)
+    _close(bt, b)
+
+
+def test_compiled_training_step_matches_cpu_for_20_steps():
+    torch.manual_seed(0)
+    model = GPT(vocab=64, d_model=32, n_heads=4, n_layers=2, seq=16)
+    batches = [(torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))) for _ in range(4)]
+
+    def make_step(m):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+        def step(x, y):
+            loss = m(x, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss
+
+        return step
+
+    cpu_model = copy.deepcopy(model)
+    cpu_step = make_step(cpu_model)
+    tpu_model = copy.deepcopy(model).to("tpu")
+    tpu_step = torch.compile(make_step(tpu_model), backend="tpu")
+    tpu_batches = [(x.to("tpu"), y.to("tpu")) for x, y in batches]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="torchtpu")  # no graph may run op by op
+        for i in range(20):
+            lc = cpu_step(*batches[i % 4]).item()
+            lt = tpu_step(*tpu_batches[i % 4]).item()
+            assert abs(lt - lc) <= 1e-4 * abs(lc), (i, lt, lc)
+            if i == 4:
+                before = counts("graph_compiles")
+    assert counts("graph_compiles") == before, "a steady compiled step compiled again"
+    # (Parameters are not compared: the attention key bias has an exactly-zero gradient, whose
+    # rounding noise AdamW normalises into full-size steps on either device.)
+    _close(tpu_model.head.weight.detach(), cpu_model.head.weight.detach(), rtol=1e-3, atol=1e-4)
+
+
+def test_new_shapes_recompile_and_are_counted():
+    g = torch.compile(lambda x: x.exp().sum(0), backend="tpu", dynamic=False)
+    for n in (3, 5):
+        x = torch.randn(n, 4)
+        _close(g(x.to("tpu")), x.exp().sum(0))
+    assert counts("graph_captures")[0] >= 2
+
+
+_probe = torch.library.Library("torchtpu_test_compile", "DEF")
+_probe.define("cpu_only(Tensor x) -> Tensor")
+_probe.impl("cpu_only", lambda x: x * 2, "CPU")
+_probe.impl("cpu_only", lambda x: torch.empty_like(x), "Meta")
+
+
+def test_op_without_lowering_raises_naming_op_and_line():
+    def f(x):
+        return torch.ops.torchtpu_test_compile.cpu_only(x + 1)
+
+    with pytest.raises(Exception, match="torchtpu_test_compile.cpu_only") as info:
+        torch.compile(f, backend="tpu")(torch.ones(3, device="tpu"))
+    assert "test_compile.py" in str(info.value)
+
+
+def test_op_without_lowering_runs_with_cpu_fallback(monkeypatch):
+    monkeypatch.setattr(torch.tpu, "enable_cpu_fallback", True)
+
+    def f(x):
+        return torch.ops.torchtpu_test_compile.cpu_only(x + 1) * 3
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = torch.compile(f, backend="tpu")(torch.ones(3, device="tpu"))
+    _close(out, torch.full((3,), 12.0))

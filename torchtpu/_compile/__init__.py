@@ -1,0 +1,1 @@
+"""torch.compile(backend="tpu") and export to StableHLO."""

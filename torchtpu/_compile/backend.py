@@ -1,0 +1,152 @@
+"""`torch.compile(backend="tpu")`: Dynamo graphs through AOTAutograd (forward and backward
+graphs in core ATen after decompositions), each compiled by graph.CompiledGraph."""
+import functools
+import itertools
+import warnings
+
+import torch
+
+from . import graph
+
+_graph_ids = itertools.count()
+_OPTIONS = {"cpu_fallback"}
+
+
+@functools.lru_cache(maxsize=None)
+def _decompositions():
+    from torch._decomp import core_aten_decompositions
+    from .._ops import registry
+    table = dict(core_aten_decompositions())
+    # Ops the lowering table implements directly stay whole (one fused kernel, not many).
+    for op in list(table):
+        if op in registry.TABLE:
+            del table[op]
+    return table
+
+
+def _compiler(kind, options):
+    def compile_graph(gm, example_inputs):
+        name = f"{kind}_{next(_graph_ids)}"
+        missing = graph.unsupported_ops(gm)
+        compiled = graph.CompiledGraph(gm, name)
+        if missing:
+            op, where = missing[0]
+            if options.get("cpu_fallback", torch.tpu.enable_cpu_fallback):
+                warnings.warn(f"torchtpu: compiled graph {name} runs op by op with a CPU fallback: "
+                              f"{', '.join(sorted({m for m, _ in missing}))} have no tpu lowering")
+                compiled.eager = True
+            else:
+                raise NotImplementedError(
+                    f"The operator '{op}' is not implemented for the tpu device and appears in a "
+                    f"torch.compile graph" + (f", from:\n{where}" if where else "") +
+                    "\nSet torch.tpu.enable_cpu_fallback = True to run such graphs op by op with "
+                    "a CPU fallback for the missing op.")
+        return compiled
+
+    return compile_graph
+
+
+def tpu_backend(gm, example_inputs, mode=None, options=None):
+    """The Dynamo backend registered as "tpu"."""
+    from torch._dynamo.backends.common import aot_autograd
+    skip_own_frames()
+    options = dict(options or {})
+    unknown = set(options) - _OPTIONS
+    if unknown:
+        raise ValueError(f"Unknown torchtpu compile options {sorted(unknown)}; known: {sorted(_OPTIONS)}")
+    # `mode` ("default", "reduce-overhead", "max-autotune") changes nothing here: every graph
+    # is already one XLA executable without per-op overhead.
+    backend = aot_autograd(fw_compiler=_compiler("forward", options),
+                           bw_compiler=_compiler("backward", options),
+                           inference_compiler=_compiler("inference", options),
+                           decompositions=_decompositions(),
+                           keep_inference_input_mutations=True)
+    return backend(gm, example_inputs)
+
+
+def _has_tpu_tensor(inputs):
+    return any(isinstance(x, torch.Tensor) and x.device.type == "tpu" for x in inputs)
+
+
+def _route_default_backend():
+    """`torch.compile(model)` uses inductor, which cannot generate code for this device:
+    graphs whose inputs live on tpu go to the tpu backend instead."""
+    wrapper = torch._TorchCompileInductorWrapper
+    if getattr(wrapper, "_torchtpu_routed", False):
+        return
+    original = wrapper.__call__
+
+    def __call__(self, model_, inputs_):
+        if _has_tpu_tensor(inputs_):
+            return tpu_backend(model_, inputs_)
+        return original(self, model_, inputs_)
+
+    wrapper.__call__ = __call__
+    wrapper._torchtpu_routed = True
+
+
+_skipping = [False]
+
+
+def skip_own_frames():
+    """Dynamo must not trace into the device's own Python (this package and JAX): those frames
+    run as kernels below the dispatcher, also between compiled graphs."""
+    if _skipping[0]:
+        return
+    import os
+
+    import jax
+    import jaxlib
+    from torch._dynamo import trace_rules
+
+    from .. import _device, _execution, _ops
+    for package in (_device, _execution, _ops, jax, jaxlib):
+        trace_rules.SKIP_DIRS.append(package.__path__[0] + os.sep)
+    trace_rules.SKIP_DIRS.append(os.path.dirname(__file__) + os.sep)
+    trace_rules._recompile_re()
+    _capturable_optimizers_on_tpu()
+    _skipping[0] = True
+
+
+def _capturable_optimizers_on_tpu():
+    """Dynamo compiles optimizer steps in capturable form (state such as `step` on the
+    device) only for CUDA/XPU parameters; on the host, `step` would split every compiled
+    step into host work.  Mark still-uninitialised groups of tpu parameters capturable too."""
+    from torch._dynamo.variables.optimizer import OptimizerVariable
+    original = OptimizerVariable._set_capturable
+    if getattr(original, "_torchtpu", False):
+        return
+
+    def _set_capturable(self, tx):
+        optimizer = self.value
+        for group in optimizer.param_groups:
+            params = group.get("params", [])
+            if ("capturable" in group and params
+                    and all(p.device.type == "tpu" and p not in optimizer.state for p in params)):
+                group["capturable"] = True
+        return original(self, tx)
+
+    _set_capturable._torchtpu = True
+    OptimizerVariable._set_capturable = _set_capturable
+
+
+def _hook_compile():
+    compile_ = torch.compile
+    if getattr(compile_, "_torchtpu_hooked", False):
+        return
+
+    @functools.wraps(compile_)
+    def compile(*args, **kwargs):
+        skip_own_frames()
+        return compile_(*args, **kwargs)
+
+    compile._torchtpu_hooked = True
+    torch.compile = compile
+
+
+def register():
+    """Dynamo finds the "tpu" backend through this package's `torch_dynamo_backends` entry
+    point, so importing torchtpu does not import Dynamo; only the default-backend routing and
+    the frame-skipping hook (run by the first torch.compile call) are installed here."""
+    _route_default_backend()
+    _hook_compile()
