@@ -180,3 +180,28 @@ def test_op_without_lowering_runs_with_cpu_fallback(monkeypatch):
         warnings.simplefilter("ignore")
         out = torch.compile(f, backend="tpu")(torch.ones(3, device="tpu"))
     _close(out, torch.full((3,), 12.0))
+
+
+def test_export_gives_stablehlo_of_the_model():
+    model = MLP().to("tpu").eval()
+    text = torchtpu.export(model, (torch.randn(4, 32, device="tpu"),))
+    assert text.startswith("module @") and "func.func public @main" in text
+    assert "stablehlo.dot_general" in text
+
+
+def test_persistent_cache_makes_a_second_process_hit(tmp_path):
+    import subprocess
+    import sys
+    script = (
+        "import jax, torch, torchtpu\n"
+        "jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)\n"
+        "g = torch.compile(lambda x: (x @ x).tanh().sum(), backend='tpu')\n"
+        "g(torch.ones(8, 8, device='tpu')).item()\n"
+        "print(torchtpu.metrics().get('persistent_cache_hits', 0))\n")
+    env = {**__import__("os").environ, "TORCHTPU_CACHE_DIR": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                           check=True).stdout.split()[-1] for _ in range(2)]
+    assert int(runs[0]) == 0 and int(runs[1]) >= 1
+    disabled = subprocess.run([sys.executable, "-c", "import jax, torchtpu; print(jax.config.jax_compilation_cache_dir)"],
+                              env={**env, "TORCHTPU_CACHE_DIR": ""}, capture_output=True, text=True, check=True)
+    assert disabled.stdout.strip() in ("None", "")

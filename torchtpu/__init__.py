@@ -30,8 +30,9 @@ def _install_kernels():
     fallback_lib = torch.library.Library("_", "IMPL")
     fallback.register(fallback_lib)
     fused.install()
-    from ._compile import backend
+    from ._compile import backend, cache
     backend.register()
+    cache.enable()
     return lib, fallback_lib
 
 
@@ -56,3 +57,9 @@ def clear_caches():
     from ._execution import fused, kernels
     kernels.clear_caches()
     fused.clear_cache()
+
+
+def export(model, args, kwargs=None):
+    """The StableHLO text of `model(*args, **kwargs)` (tensor arguments on tpu)."""
+    from ._compile.export import export as _export
+    return _export(model, args, kwargs)

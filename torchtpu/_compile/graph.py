@@ -145,7 +145,7 @@ class Captured:
             return ("empty", *view, o.dtype, buf.nbytes)
         return ("arg", o)  # a tensor the graph holds as a constant
 
-    def __call__(self, args, buffers):
+    def _arguments(self, buffers):
         inputs = [b.value() for b in buffers]
         ext = [inputs[s] if isinstance(s, int) else s for s in self.sources]
         scalars = self.scalars
@@ -153,8 +153,15 @@ class Captured:
             scalars = list(scalars)
             for pos in self.random_positions:
                 scalars[pos], scalars[pos + 1] = next_key_parts(self.device)
+        return [], ext, fused._pack_scalars(scalars, self.scalar_types)
+
+    def stablehlo(self, buffers):
+        return self.fn.lower(*self._arguments(buffers)).as_text()
+
+    def __call__(self, args, buffers):
+        arguments = self._arguments(buffers)
         start = None if self.has_run else time.perf_counter()
-        results, checks = self.fn([], ext, fused._pack_scalars(scalars, self.scalar_types))
+        results, checks = self.fn(*arguments)
         if start is not None:
             self.has_run = True
             metrics.counters["graph_compiles"] += 1
