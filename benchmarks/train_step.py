@@ -1,10 +1,12 @@
 """ms/step of a GPT-style training step (forward, backward, AdamW) on tpu in each eager mode
 vs native torch CPU eager vs the same step written directly in JAX under one jax.jit.
 
-    python benchmarks/train_step.py [--mode strict,fused] [--layers 4 --d-model 256 --heads 4
-                                     --seq 128 --batch 8 --vocab 1024]
+    python benchmarks/train_step.py [--mode strict,fused,compile] [--layers 4 --d-model 256
+                                     --heads 4 --seq 128 --batch 8 --vocab 1024]
 
 Each mode starts from empty executable caches, so its first step shows its own warm-up.
+"compile" is torch.compile(step, backend="tpu") of the whole step (forward, backward, AdamW);
+with it, torch.compile (inductor) of the same step on the CPU is measured too.
 """
 import argparse
 import copy
@@ -80,7 +82,8 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--mode", default="strict,fused", help="comma list of strict, fused, debug")
+    ap.add_argument("--mode", default="strict,fused,compile",
+                    help="comma list of strict, fused, debug, compile")
     a = ap.parse_args()
     torch.manual_seed(0)
     model = GPT(a.vocab, a.d_model, a.heads, a.layers, a.seq)
@@ -100,15 +103,20 @@ def main():
                        a.steps, lambda: None)
 
     modes = {"strict": torch.tpu.EagerMode.DEFER_NEVER, "fused": torch.tpu.EagerMode.DEFER_AND_FUSE,
-             "debug": torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING}
+             "debug": torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING,
+             "compile": torch.tpu.EagerMode.DEFER_NEVER}
+    counted = ("compiles", "segment_compiles", "graph_compiles", "graph_captures")
     results = {}
     for name in a.mode.split(","):
         torchtpu.clear_caches()
+        torch._dynamo.reset()
         with torch.tpu.set_eager_mode(modes[name]):
             tpu_model = copy.deepcopy(model).to("tpu")
             t0 = time.perf_counter()
             step = torch_step(tpu_model, torch.optim.AdamW(tpu_model.parameters(), lr=1e-3),
                               idx.to("tpu"), tgt.to("tpu"))
+            if name == "compile":
+                step = torch.compile(step, backend="tpu")
             step()
             torch.tpu.synchronize()
             warmup = time.perf_counter() - t0
@@ -117,8 +125,19 @@ def main():
             step()
             torch.tpu.synchronize()
             after = torchtpu.metrics()
-            new_compiles = sum(after.get(k, 0) - before.get(k, 0) for k in ("compiles", "segment_compiles"))
+            new_compiles = sum(after.get(k, 0) - before.get(k, 0) for k in counted)
             results[name] = (ms, warmup, new_compiles)
+
+    t_inductor = None
+    if "compile" in results:
+        torch._dynamo.reset()
+        ind_model = copy.deepcopy(model)
+        t0 = time.perf_counter()
+        ind_step = torch.compile(torch_step(ind_model, torch.optim.AdamW(ind_model.parameters(), lr=1e-3),
+                                            idx, tgt))
+        ind_step()
+        inductor_warmup = time.perf_counter() - t0
+        t_inductor = time_steps(ind_step, a.steps, lambda: None)
 
     step, p, m, v = jax_step_fn(model)
     ji, jt = jnp.asarray(idx.numpy()), jnp.asarray(tgt.numpy())
@@ -129,19 +148,34 @@ def main():
         state["p"], state["m"], state["v"], loss = step(state["p"], state["m"], state["v"], state["t"], ji, jt)
         state["loss"] = loss
 
+    t0 = time.perf_counter()
+    jstep()
+    state["loss"].block_until_ready()
+    jax_warmup = time.perf_counter() - t0
     t_jax = time_steps(jstep, a.steps, lambda: state["loss"].block_until_ready())
 
     print(f"GPT {a.layers} layers, d_model {a.d_model}, {a.heads} heads, seq {a.seq}, batch {a.batch}, vocab {a.vocab}; AdamW")
     for name, (ms, _, new_compiles) in results.items():
-        print(f"  tpu {name:6s} eager : {ms:9.1f} ms/step  ({ms / t_cpu:.2f}x torch CPU)"
+        label = "compiled" if name == "compile" else f"{name} eager"
+        print(f"  tpu {label:13s}: {ms:9.1f} ms/step  ({ms / t_cpu:.2f}x torch CPU)"
               f"  [{new_compiles} compilations in a steady step]")
     print(f"  torch CPU eager  : {t_cpu:9.1f} ms/step  (1.00x)")
+    if t_inductor is not None:
+        print(f"  torch CPU inductor: {t_inductor:8.1f} ms/step  ({t_inductor / t_cpu:.2f}x torch CPU)")
     print(f"  JAX, one jax.jit : {t_jax:9.1f} ms/step  ({t_jax / t_cpu:.2f}x torch CPU)")
     if "strict" in results and "fused" in results:
         print(f"  fused speed-up over strict: {results['strict'][0] / results['fused'][0]:.2f}x")
+    if "compile" in results:
+        print(f"  tpu compiled / JAX one jit: {results['compile'][0] / t_jax:.2f}x (target <= 1.0x)")
     for name, (_, warmup, _) in results.items():
         print(f"  tpu {name} first step (warm-up incl. compiles): {warmup:.1f} s = "
               f"{warmup * 1e3 / t_cpu:.1f}x one torch CPU step")
+    print(f"  JAX first step (trace + compile): {jax_warmup:.1f} s = {jax_warmup * 1e3 / t_cpu:.1f}x")
+    if t_inductor is not None:
+        print(f"  inductor first step: {inductor_warmup:.1f} s")
+    if "compile" in results:
+        print(f"  tpu compiled first step / JAX first step: {results['compile'][1] / jax_warmup:.2f}x "
+              "(target <= 1.2x)")
 
 
 if __name__ == "__main__":

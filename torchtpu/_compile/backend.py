@@ -48,7 +48,8 @@ def _compiler(kind, options):
 
 def tpu_backend(gm, example_inputs, mode=None, options=None):
     """The Dynamo backend registered as "tpu"."""
-    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo import disable
+    from torch._functorch.aot_autograd import aot_module_simplified
     skip_own_frames()
     options = dict(options or {})
     unknown = set(options) - _OPTIONS
@@ -56,12 +57,15 @@ def tpu_backend(gm, example_inputs, mode=None, options=None):
         raise ValueError(f"Unknown torchtpu compile options {sorted(unknown)}; known: {sorted(_OPTIONS)}")
     # `mode` ("default", "reduce-overhead", "max-autotune") changes nothing here: every graph
     # is already one XLA executable without per-op overhead.
-    backend = aot_autograd(fw_compiler=_compiler("forward", options),
-                           bw_compiler=_compiler("backward", options),
-                           inference_compiler=_compiler("inference", options),
-                           decompositions=_decompositions(),
-                           keep_inference_input_mutations=True)
-    return backend(gm, example_inputs)
+    # aot_module_simplified directly rather than Dynamo's aot_autograd wrapper, which imports
+    # inductor (a second of start-up) for its logging.
+    compiled = aot_module_simplified(gm, example_inputs,
+                                     fw_compiler=_compiler("forward", options),
+                                     bw_compiler=_compiler("backward", options),
+                                     inference_compiler=_compiler("inference", options),
+                                     decompositions=_decompositions(),
+                                     keep_inference_input_mutations=True)
+    return disable(compiled, reason="a compiled tpu graph")
 
 
 def _has_tpu_tensor(inputs):

@@ -32,7 +32,8 @@ def unsupported_ops(gm):
         if target in registry.TABLE or target._schema.name in _MANUAL:
             continue
         if any(torch._C._dispatch_has_kernel_for_dispatch_key(name, key) for key in
-               ("PrivateUse1", "CompositeExplicitAutograd", "CompositeImplicitAutograd")):
+               ("PrivateUse1", "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional",
+                "CompositeImplicitAutograd")):
             continue
         missing.append((str(target), node.meta.get("stack_trace")))
     return missing
@@ -237,10 +238,13 @@ class CompiledGraph:
             metrics.counters["graph_captures"] += 1
             if self.variants:
                 metrics.counters["graph_recompiles"] += 1
+            start = time.perf_counter()
             try:
                 captured = Captured(self.gm, args, buffers, self.name)
             except fused.CaptureBroken as e:
                 return self._run_eagerly(args, str(e))
+            finally:
+                metrics.counters["capture_seconds"] += time.perf_counter() - start
             self.variants[key] = captured
         return captured(args, buffers)
 
