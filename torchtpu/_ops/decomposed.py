@@ -29,8 +29,11 @@ prims = torch.ops.prims
 # CompositeExplicitAutograd ops whose composite kernel calls something with no tpu kernel.
 COMPOSITE_EXPLICIT = set()
 
-# Decompositions not used (wrong for some inputs, random, or better served otherwise).
-EXCLUDED = set()
+# Decompositions not used: these mutate a view of a fresh tensor (copy_ into a diagonal, a
+# slice...), which a value graph cannot express, while PyTorch's own composite kernel already
+# runs them on tpu.
+EXCLUDED = {aten.diagonal_scatter.default, aten.select_scatter.default,
+            aten.slice_scatter.default, aten.as_strided_scatter.default}
 
 _TENSOR_TYPES = ("Tensor", "Optional[Tensor]", "List[Tensor]", "List[Optional[Tensor]]")
 

@@ -41,7 +41,8 @@ def div_mode(x, y, rounding_mode=None):
     if jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer):
         if rounding_mode == "floor":
             return jnp.floor_divide(x, y)
-        q = lax.div(x, jnp.asarray(y, jnp.asarray(x).dtype))  # C division truncates
+        x, y = jnp.broadcast_arrays(x, jnp.asarray(y, jnp.asarray(x).dtype))
+        q = lax.div(x, y)  # C division truncates
         return q
     q = x / y
     return jnp.floor(q) if rounding_mode == "floor" else jnp.trunc(q)

@@ -50,6 +50,10 @@ SKIPPED = {
 OUR_NOT_IMPLEMENTED = "not implemented for the tpu device"
 
 
+def _sync():
+    torch.tpu.synchronize()
+
+
 class SampleTimeout(Exception):
     pass
 
@@ -280,6 +284,7 @@ def run_sample(op, sample, *, grad=False, values=True, seed=0):
     tpu_in, tpu_args, tpu_kwargs = _sample_parts(sample, "tpu")
     try:
         actual = op(tpu_in, *tpu_args, **tpu_kwargs)
+        _sync()  # a deferred (fused) op raises its error here at the latest
     except SampleTimeout:
         raise
     except Exception as exc:
@@ -325,6 +330,7 @@ def run_sample(op, sample, *, grad=False, values=True, seed=0):
         g_exc = exc
     try:
         g_tpu = _grads(actual_p, _grad_inputs((tpu_in, tpu_args, tpu_kwargs)), weights, "tpu")
+        _sync()
     except SampleTimeout:
         raise
     except Exception as exc:
@@ -508,6 +514,7 @@ def _run_error_inputs(op, timeout):
             _alarm(timeout)
             tpu_in, tpu_args, tpu_kwargs = _sample_parts(s, "tpu")
             op(tpu_in, *tpu_args, **tpu_kwargs)
+            _sync()
             _record(entry, "mismatch", f"error input {k}: tpu raises nothing, CPU raises {want.__name__}")
         except SampleTimeout as exc:
             _record(entry, "timeout", f"error input {k}: {exc}")

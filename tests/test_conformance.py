@@ -1,0 +1,108 @@
+"""A fixed, representative slice of the OpInfo conformance sweep (python -m torchtpu.conformance).
+
+Each op's first samples run on tpu and on the CPU; forward values, dtypes and shapes must agree
+(and float32 gradients, and error_inputs' exception types, where marked).  Regressions in these
+families show up here; the full sweep is its own command (see README, "Op coverage")."""
+import pytest
+import torch
+
+from torchtpu import conformance
+
+MAX_SAMPLES = 3
+F32 = ("float32",)
+INT = ("float32", "int64")
+HALF = ("float32", "bfloat16")
+
+# op (name or name.variant) -> (dtypes, check float32 gradients[, check error_inputs])
+OPS = {
+    # pointwise, promotion, integer division
+    "add": (("float32", "int64", "bfloat16", "bool"), True),
+    "mul": (("float32", "int32", "complex64"), True),
+    "div.floor_rounding": (INT, True),
+    "div.trunc_rounding": (INT, True),
+    "remainder": (INT, True),
+    "exp": (HALF, True),
+    "sigmoid": (F32, True),
+    "atan2": (F32, True),
+    "where": (INT, True),
+    "clamp": (INT, True),
+    "nan_to_num": (F32, True),
+    "special.i1": (F32, False),
+    "sinc": (F32, True),
+    # reductions and scans
+    "sum": (INT, True),
+    "mean": (F32, True),
+    "var_mean": (F32, True),
+    "max.reduction_with_dim": (INT, True),
+    "logsumexp": (F32, True),
+    "cumsum": (INT, True),
+    "topk": (F32, True),
+    "sort": (INT, True),
+    # shapes, views, indexing
+    "cat": (INT, True, False),
+    "permute": (F32, True),
+    "as_strided": (F32, True),
+    "diagonal_scatter": (F32, True),
+    "gather": (INT, True, False),
+    "index_put": (F32, True),
+    "tril": (F32, True),
+    # matmul, linalg, fft
+    "addmm": (F32, True),
+    "einsum": (F32, True),
+    "linalg.inv": (F32, True),
+    "linalg.cholesky": (F32, True),
+    "fft.rfft": (F32, False),
+    # nn
+    "softmax": (F32, True),
+    "nn.functional.gelu": (F32, True),
+    "nn.functional.conv2d": (F32, False),
+    "nn.functional.avg_pool2d": (F32, True),
+    "nn.functional.max_pool2d": (F32, True),
+    "nn.functional.adaptive_avg_pool2d": (F32, True),
+    "nn.functional.group_norm": (F32, False),
+    "nn.functional.interpolate.bilinear": (F32, False),
+    "nn.functional.cross_entropy": (F32, True),
+    "nn.functional.hardswish": (F32, True),
+}
+
+
+@pytest.fixture(scope="module")
+def opinfos():
+    ops = conformance.select_ops(list(OPS))
+    return {conformance.full_name(op): op for op in ops}
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_op_matches_cpu(name, opinfos):
+    dtypes, grad, errors = (OPS[name] + (True,))[:3]
+    result = conformance.run_op(opinfos[name], dtypes, max_samples=MAX_SAMPLES, grad=grad,
+                                errors=errors, timeout=120)
+    assert not torch.tpu.enable_cpu_fallback
+    failures = {d: e["first_failure"] for d, e in result["dtypes"].items() if e["status"] != "pass"}
+    assert set(result["dtypes"]) == set(dtypes), result["dtypes"].keys()
+    if grad:
+        assert result["grad"] is not None, "no gradient was checked"
+        if result["grad"]["status"] != "pass":
+            failures["grad"] = result["grad"]["first_failure"]
+    if result["errors"] is not None and result["errors"]["status"] != "pass":
+        failures["error_inputs"] = result["errors"]["first_failure"]
+    assert not failures, failures
+
+
+def test_runner_reports_wrong_answers_and_missing_ops(opinfos, monkeypatch):
+    """A mismatching sample is reported failed (never skipped), a missing op as not implemented."""
+    from torchtpu._ops import registry
+    op = opinfos["sigmoid"]
+    low = registry.TABLE[torch.ops.aten.sigmoid.default]
+    monkeypatch.setattr(low, "fn", lambda x: x * 0.5)  # a deliberately wrong lowering
+    from torchtpu._execution import kernels
+    kernels.kernel_for(torch.ops.aten.sigmoid.default).cache.clear()
+    try:
+        r = conformance.run_op(op, F32, max_samples=2, grad=False, errors=False)
+    finally:
+        monkeypatch.undo()
+        kernels.kernel_for(torch.ops.aten.sigmoid.default).cache.clear()
+    assert r["dtypes"]["float32"]["status"] == "mismatch"
+    assert r["dtypes"]["float32"]["samples"] == 2
+    totals = conformance.summarize([r])
+    assert totals["forward_float32"]["passed"] == 0
