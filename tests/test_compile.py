@@ -142,6 +142,7 @@ def test_compiled_training_step_matches_cpu_for_20_steps():
             if i == 4:
                 before = counts("graph_compiles")
     assert counts("graph_compiles") == before, "a steady compiled step compiled again"
+    assert counts("donated_buffers")[0] > 0  # parameters and AdamW state updated in place
     # (Parameters are not compared: the attention key bias has an exactly-zero gradient, whose
     # rounding noise AdamW normalises into full-size steps on either device.)
     _close(tpu_model.head.weight.detach(), cpu_model.head.weight.detach(), rtol=1e-3, atol=1e-4)

@@ -7,7 +7,9 @@ every output's shape and strides on the way.  The recording becomes a jitted fun
 inputs' arrays; later calls only gather those arrays, call it, and wrap the results, with no
 per-node Python work.  Inputs the graph mutates get their new values in place.
 """
+import sys
 import time
+import warnings
 
 import jax
 import torch
@@ -121,6 +123,10 @@ class Captured:
         for o in flat:
             self.outputs.append(self._output_spec(o, args, buffers, tr, slot_of, result_index))
         self.result_slots = result_slots
+        overwritten = {j for j, _ in self.mutations}
+        self.donatable = tuple(isinstance(src, int) and src in overwritten for src in self.sources)
+        self.donating = {}
+        self.has_checks = None
         self.fn = jax.jit(fused._segment_function(
             self.signature, result_slots, self.scalar_types, (False,) * len(self.sources)))
         self.has_run = False
@@ -154,17 +160,47 @@ class Captured:
             scalars = list(scalars)
             for pos in self.random_positions:
                 scalars[pos], scalars[pos + 1] = next_key_parts(self.device)
-        return [], ext, fused._pack_scalars(scalars, self.scalar_types)
+        return inputs, ext, fused._pack_scalars(scalars, self.scalar_types)
 
     def stablehlo(self, buffers):
-        return self.fn.lower(*self._arguments(buffers)).as_text()
+        _, ext, packed = self._arguments(buffers)
+        return self.fn.lower([], ext, packed).as_text()
+
+    def _donation(self, inputs):
+        """Which arguments the executable may consume: arrays of inputs the graph overwrites
+        (parameters, optimizer state) that nothing but their storage refers to, once the
+        graph is known to have no index checks (a failed check must leave inputs intact)."""
+        if not self.has_run or self.has_checks or not any(self.donatable):
+            return None
+        # References: the storage, the `inputs` and `ext` lists, getrefcount's argument.
+        mask = tuple(d and sys.getrefcount(inputs[s]) <= 4
+                     for d, s in zip(self.donatable, self.sources))
+        return mask if any(mask) else None
 
     def __call__(self, args, buffers):
-        arguments = self._arguments(buffers)
+        inputs, ext, packed = self._arguments(buffers)
+        mask = self._donation(inputs)
+        del inputs
         start = None if self.has_run else time.perf_counter()
-        results, checks = self.fn(*arguments)
+        if mask is None:
+            results, checks = self.fn([], ext, packed)
+        else:
+            fn = self.donating.get(mask)
+            if fn is None:
+                start = time.perf_counter()
+                fn = self.donating[mask] = jax.jit(fused._segment_function(
+                    self.signature, self.result_slots, self.scalar_types, mask), donate_argnums=(0,))
+            donated = [a for a, d in zip(ext, mask) if d]
+            kept = [a for a, d in zip(ext, mask) if not d]
+            del ext
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+                results, checks = fn(donated, kept, packed)
+            metrics.counters["donated_buffers"] += len(donated)
+            del donated
         if start is not None:
             self.has_run = True
+            self.has_checks = any(c.check_info for c, _, _ in self.signature)
             metrics.counters["graph_compiles"] += 1
             metrics.counters["compile_seconds"] += time.perf_counter() - start
         else:
