@@ -39,6 +39,10 @@ def _install_kernels():
 if not hasattr(torch.tpu, "_torchtpu_library"):
     torch.tpu._torchtpu_library = _install_kernels()
 
+from . import pallas  # noqa: E402  (torch.tpu.pallas.jax_op; needs the kernels installed)
+
+torch.tpu.pallas = pallas
+
 
 def metrics():
     """Counters since start (or the last `reset_metrics()`): ops dispatched, executables
