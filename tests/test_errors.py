@@ -57,11 +57,16 @@ def test_dtype_errors_match_cpu():
     assert i.cpu().tolist() == [1, 1, 1]
 
 
+_no_lowering = torch.library.Library("torchtpu_test_errors", "DEF")
+_no_lowering.define("cpu_only.scaled(Tensor x, float scale) -> Tensor")
+_no_lowering.impl("cpu_only.scaled", lambda x, scale: x * scale, "CPU")
+
+
 def test_missing_lowering_raises_not_implemented_naming_overload():
     x = torch.randn(3, 3, device="tpu")
-    # (XLA has no general eigendecomposition on TPU, so linalg_eig has no lowering.)
-    with pytest.raises(NotImplementedError, match="aten::linalg_eig"):
-        torch.linalg.eig(x)
+    with pytest.raises(NotImplementedError, match="torchtpu_test_errors::cpu_only.scaled"):
+        torch.ops.torchtpu_test_errors.cpu_only.scaled(x, 2.0)
+    assert (x.cpu() == x.cpu()).all()
 
 
 def test_cpu_fallback_runs_warns_once_and_counts(eager_mode):
