@@ -39,7 +39,7 @@ def _install_kernels():
 if not hasattr(torch.tpu, "_torchtpu_library"):
     torch.tpu._torchtpu_library = _install_kernels()
 
-from . import pallas  # noqa: E402  (torch.tpu.pallas.jax_op; needs the kernels installed)
+from . import pallas, profiler  # noqa: E402,F401  (pallas needs the kernels installed)
 
 torch.tpu.pallas = pallas
 
@@ -49,6 +49,14 @@ def metrics():
     compiled, host<->device transfers, CPU fallbacks."""
     from ._execution import metrics as m
     return m.snapshot()
+
+
+def metrics_report():
+    """A readable table of the metrics: op counts by name, compiles and compile time, cache
+    hits, transfers and bytes, CPU fallbacks by op, flush reasons. `TORCHTPU_METRICS=1` prints
+    it when the process exits."""
+    from ._execution import metrics as m
+    return m.report()
 
 
 def reset_metrics():

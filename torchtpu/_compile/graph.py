@@ -178,6 +178,10 @@ class Captured:
         return mask if any(mask) else None
 
     def __call__(self, args, buffers):
+        with metrics.span(f"torchtpu::graph {self.name}"):
+            return self._run(args, buffers)
+
+    def _run(self, args, buffers):
         inputs, ext, packed = self._arguments(buffers)
         mask = self._donation(inputs)
         del inputs

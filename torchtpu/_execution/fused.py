@@ -126,8 +126,11 @@ def flush(reason):
     _trace = None
     if tr.captured:
         raise CaptureBroken(f"the ops being captured had to run part-way ({reason})")
-    metrics.counters["ops"] += len(tr.signature)
-    metrics.counters["fused_ops"] += len(tr.signature)
+    counters = metrics.counters
+    counters["ops"] += len(tr.signature)
+    counters["fused_ops"] += len(tr.signature)
+    for kernel, _ in tr.where:
+        counters[kernel.metric_key] += 1
     metrics.counters["flushes"] += 1
     metrics.counters[f"flush::{reason}"] += 1
     outputs = []
@@ -155,7 +158,7 @@ def flush(reason):
     donated = [a for a, d in zip(tr.ext_arrays, donate) if d]
     kept = [a for a, d in zip(tr.ext_arrays, donate) if not d]
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), metrics.span(f"torchtpu::flush ({reason})"):
             # Donating a freed array that no output can reuse is harmless; JAX warns anyway.
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")
             results, checks = fn(donated, kept, _pack_scalars(tr.scalars, scalar_types))

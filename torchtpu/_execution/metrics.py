@@ -1,5 +1,10 @@
-"""Counters a user reads to see why a loop is slow (exposed as torchtpu.metrics())."""
+"""Counters a user reads to see why a loop is slow (torchtpu.metrics(), metrics_report())."""
+import atexit
 import collections
+import contextlib
+import os
+
+import torch
 
 counters = collections.Counter()
 
@@ -10,3 +15,72 @@ def snapshot():
 
 def reset():
     counters.clear()
+
+
+def span(name):
+    """A torch profiler span when a profiler is recording, else nothing (cheap)."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.autograd.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
+_SECTIONS = [
+    ("Execution", ["ops", "fused_ops", "compiles", "flushes", "segment_compiles",
+                   "segment_cache_hits", "donated_buffers", "syncs"]),
+    ("torch.compile", ["graph_captures", "graph_recompiles", "graph_compiles", "graph_cache_hits",
+                       "graph_eager_runs", "capture_seconds"]),
+    ("Compilation", ["compile_seconds", "persistent_cache_hits", "persistent_cache_misses"]),
+    ("Transfers", ["host_to_device", "host_to_device_bytes", "device_to_host",
+                   "device_to_host_bytes"]),
+    ("CPU fallback", ["cpu_fallbacks"]),
+]
+
+_EXPLAINED = {
+    "ops": "ops dispatched (fused ops counted when their segment runs)",
+    "fused_ops": "ops run inside fused segments",
+    "compiles": "per-op executables built (op, layout and static arguments)",
+    "flushes": "fused segments run",
+    "segment_compiles": "fused segment structures compiled",
+    "segment_cache_hits": "fused segments replayed from the cache",
+    "donated_buffers": "input arrays consumed in place by segments/graphs",
+    "syncs": "data-dependent ops that waited for values",
+    "graph_captures": "compiled graphs captured (one per input layout)",
+    "graph_recompiles": "captures of an already-captured graph for new layouts",
+    "graph_compiles": "compiled-graph executables built",
+    "graph_cache_hits": "compiled-graph calls that reused an executable",
+    "graph_eager_runs": "compiled graphs that had to run op by op",
+    "capture_seconds": "seconds spent capturing graphs",
+    "compile_seconds": "seconds in first runs of segments/graphs (trace + XLA compile)",
+    "persistent_cache_hits": "executables loaded from the persistent cache",
+    "persistent_cache_misses": "persistent cache lookups that missed",
+}
+
+
+def _format(value):
+    return f"{value:.3f}" if isinstance(value, float) else f"{value:,}"
+
+
+def report():
+    """The counters as a readable table: totals by section, then flush reasons, CPU
+    fallbacks by op, and op counts by name (most frequent first)."""
+    c = counters
+    lines = ["TorchTPU metrics"]
+    for title, keys in _SECTIONS:
+        present = [k for k in keys if k in c]
+        if not present:
+            continue
+        lines.append(f"\n{title}")
+        for k in present:
+            lines.append(f"  {k:26s} {_format(c[k]):>14s}  {_EXPLAINED.get(k, '')}".rstrip())
+    for title, prefix in (("Flush reasons", "flush::"), ("CPU fallbacks by op", "cpu_fallback::"),
+                          ("Ops by name", "op::")):
+        items = sorted(((k[len(prefix):], v) for k, v in c.items() if k.startswith(prefix)),
+                       key=lambda kv: (-kv[1], kv[0]))
+        if items:
+            lines.append(f"\n{title}")
+            lines.extend(f"  {name:48s} {v:>10,}" for name, v in items)
+    return "\n".join(lines)
+
+
+if os.environ.get("TORCHTPU_METRICS", "0") not in ("", "0"):
+    atexit.register(lambda: print(report()))

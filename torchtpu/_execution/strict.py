@@ -92,6 +92,7 @@ class OpKernel:
         self.returns = schema.returns
         self.cache = {}
         self.lock = threading.Lock()
+        self.metric_key = f"op::{overload}"
 
     # -- binding -------------------------------------------------------------------------
     def bind(self, args, kwargs):
@@ -165,7 +166,9 @@ class OpKernel:
         arrays = [b.value() for b in buffers]
         if self.low.eager:
             return self._run_eager(compiled, vals, arrays, buffers, scalars, device)
-        metrics.counters["ops"] += 1
+        counters = metrics.counters
+        counters["ops"] += 1
+        counters[self.metric_key] += 1
         if modes.blocking:
             outs, updated, checks = self._run_blocking(compiled, vals, arrays, scalars)
         else:
@@ -280,7 +283,8 @@ class OpKernel:
             compiled = self.cache.get(key)
             if compiled is not None:
                 return compiled
-            compiled = self._build(vals, buffers, scalars, device)
+            with metrics.span(f"torchtpu::compile {self.overload}"):
+                compiled = self._build(vals, buffers, scalars, device)
             compiled.key = key
             if not self.low.eager:  # eager ops run un-jitted and are rebuilt per call
                 metrics.counters["compiles"] += 1
@@ -450,6 +454,7 @@ class OpKernel:
 
     def _run_eager(self, compiled, vals, arrays, buffers, scalars, device):
         metrics.counters["ops"] += 1
+        metrics.counters[self.metric_key] += 1
         metrics.counters["syncs"] += 1
         outs, updated, checks = compiled.fn(*arrays, *scalars)
         if checks:

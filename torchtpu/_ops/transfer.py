@@ -34,6 +34,7 @@ def to_host(t):
     """A tpu tensor's value as a new contiguous CPU tensor (synchronises)."""
     fused.flush("device_to_host")
     metrics.counters["device_to_host"] += 1
+    metrics.counters["device_to_host_bytes"] += t.numel() * t.element_size()
     a = np.array(jax.device_get(value_of(t)))  # writable: torch.from_numpy shares it
     return numpy_to_tensor(np.ascontiguousarray(a), t.dtype).reshape(t.shape)
 
@@ -41,6 +42,7 @@ def to_host(t):
 def from_host(cpu, index):
     """A new contiguous tpu tensor holding a CPU tensor's values."""
     metrics.counters["host_to_device"] += 1
+    metrics.counters["host_to_device_bytes"] += cpu.numel() * cpu.element_size()
     cpu = cpu.detach().resolve_conj().resolve_neg().contiguous()
     host = tensor_to_numpy(cpu)
     if runtime.platform() == "cpu":
@@ -88,6 +90,7 @@ def _check_no_partial_overlap(dst, src):
 def _local_scalar_dense(self):
     fused.flush("item")
     metrics.counters["device_to_host"] += 1
+    metrics.counters["device_to_host_bytes"] += self.element_size()
     return np.asarray(jax.device_get(value_of(self))).reshape(()).item()
 
 
