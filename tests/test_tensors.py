@@ -164,3 +164,14 @@ def test_device_copy_does_not_alias_the_host_tensor():
     t = a.to("tpu")
     a.add_(100)
     assert t.cpu().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_tied_parameters_stay_tied_after_moving_to_tpu():
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(10, 4)
+    model.head = torch.nn.Linear(4, 10, bias=False)
+    model.head.weight = model.embed.weight
+    model.to("tpu")
+    assert model.head.weight is model.embed.weight
+    assert model.head.weight.device.type == "tpu"
+    assert len(list(model.parameters())) == 1
