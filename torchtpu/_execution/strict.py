@@ -241,6 +241,8 @@ class OpKernel:
         for source in compiled.returns:
             if source is None:
                 results.append(next(it))
+            elif source == "none":
+                results.append(None)
             elif source == "list":
                 results.append([next(it) for _ in range(compiled.list_len)])
             else:
@@ -303,6 +305,9 @@ class OpKernel:
         # Where each return comes from: a fresh output (None) or a mutated argument (its index).
         returns = [self._aliased_input(r) if r.alias_info is not None and r.alias_info.is_write
                    else None for r in self.returns]
+        if isinstance(meta_out, (tuple, list)) and not self._returns_list():
+            # Outputs the op leaves undefined (e.g. convolution_backward's masked-off grads).
+            returns = ["none" if r is None and m is None else r for r, m in zip(returns, meta_out)]
         compiled.returns = returns
         out_specs = [] if meta_out is None else [
             (tuple(m.shape), _dense_strides(m), m.dtype)
