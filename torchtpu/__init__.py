@@ -29,6 +29,9 @@ def _install_kernels():
     kernels.register_table(lib, skip=manual)
     fallback_lib = torch.library.Library("_", "IMPL")
     fallback.register(fallback_lib)
+    from ._device import autocast, modules
+    autocast.register(lib, fallback_lib)
+    modules.install()
     fused.install()
     from ._compile import backend, cache
     backend.register()

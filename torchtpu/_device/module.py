@@ -118,6 +118,15 @@ def synchronize(device=None):
     sync.synchronize(None if device is None else _index(device))
 
 
+def get_amp_supported_dtype():
+    """Lower-precision dtypes `torch.autocast("tpu", dtype=...)` accepts."""
+    return [torch.bfloat16, torch.float16]
+
+
+def is_bf16_supported(including_emulation=True):
+    return True
+
+
 def get_device_name(device=None):
     d = runtime.jax_device(_index(device))
     return f"{d.device_kind} ({runtime.platform()})"

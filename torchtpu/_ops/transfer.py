@@ -119,7 +119,21 @@ def _resize_(self, size, memory_format=None):
     return self
 
 
+_COMPOSITE = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+
+
+def _pin_memory(self, device=None):
+    # PyTorch pins for the current accelerator through a C++ allocator hook a Python backend
+    # cannot provide. JAX stages host buffers itself, so pinning for tpu is a plain copy
+    # (pin_memory returns a copy); pinning for any other device is PyTorch's own.
+    target = torch.device(device) if device is not None else torch.accelerator.current_accelerator()
+    if target is not None and target.type == "tpu":
+        return self.clone()
+    return aten._pin_memory.default.redispatch(_COMPOSITE, self, device)
+
+
 def register(lib):
+    lib.impl(aten._pin_memory.default, _pin_memory, "CPU")
     lib.impl(aten.copy_.default, _copy_, "PrivateUse1")
     lib.impl(aten._local_scalar_dense.default, _local_scalar_dense, "PrivateUse1")
     lib.impl(aten.resize_.default, _resize_, "PrivateUse1")
