@@ -135,7 +135,7 @@ def test_synchronize_waits():
 
 def test_info_command():
     out = run_python("import runpy, sys; sys.argv=['torchtpu','info']; runpy.run_module('torchtpu', run_name='__main__')")
-    assert "platform" in out and "tpu:0" in out
+    assert "platform" in out and "tpu:0" in out and "eager mode  DEFER_NEVER" in out
 
 
 def test_multiple_devices_and_cross_device_copies():

@@ -1,4 +1,5 @@
-"""`python -m torchtpu info`: platform, devices, versions and memory."""
+"""`python -m torchtpu info` (platform, devices, versions, memory, eager mode) and
+`python -m torchtpu bench` (the benchmarks/ suite: per-op overhead and the training step)."""
 import argparse
 import sys
 
@@ -21,15 +22,34 @@ def info():
         print(f"  tpu:{i}  {d.device_kind}  (jax {d})  memory {total}, "
               f"allocated {torch.tpu.memory_allocated(i)} B")
     print(f"float32 matmul precision  {torch.get_float32_matmul_precision()}")
+    print(f"eager mode  {torch.tpu.eager_mode.name}")
+    from torchtpu._compile import cache
+    print(f"compilation cache  {cache.directory() or 'off'}")
+
+
+def bench(extra):
+    """Run the benchmark scripts of a source checkout; each prints its ratio table."""
+    import os
+    import subprocess
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    if not os.path.isdir(root):
+        print("the benchmarks/ directory ships with the source checkout, not the wheel", file=sys.stderr)
+        return 1
+    status = 0
+    for script in ("overhead.py", "train_step.py"):
+        print(f"== {script}", flush=True)
+        status |= subprocess.call([sys.executable, os.path.join(root, script), *extra])
+    return status
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m torchtpu")
-    p.add_argument("command", choices=["info"])
-    args = p.parse_args(argv)
+    p.add_argument("command", choices=["info", "bench"])
+    args, extra = p.parse_known_args(argv)
     if args.command == "info":
         info()
-    return 0
+        return 0
+    return bench(extra)
 
 
 if __name__ == "__main__":

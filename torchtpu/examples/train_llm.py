@@ -1,0 +1,237 @@
+"""The main job: train a small Llama-style language model on `tpu`, checkpoint, resume, sample.
+
+    python -m torchtpu.examples.train_llm [--steps 60] [--batch-size 8] [--mode strict|fused|compile]
+                                          [--dtype fp32|bf16] [--resume] [--checkpoint PATH]
+
+The corpus is generated on the spot from the documentation strings of Python's standard
+library (identical on every machine with the same Python), tokenised by bytes.  A progress line
+shows loss, tokens/s, achieved TFLOP/s and, when the device's peak is known, model FLOPs
+utilisation.  Checkpoints are written with torch.save (and safetensors when installed, with
+--format safetensors); --resume continues from the last one; the run ends by sampling text.
+"""
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchtpu  # noqa: F401  (a plain `import torch` also works once installed)
+
+# Peak dense bf16 TFLOP/s by JAX device kind (for MFU); unknown devices show no MFU.
+PEAK_TFLOPS = {"TPU v4": 275, "TPU v5 lite": 197, "TPU v5e": 197, "TPU v5p": 459, "TPU v6 lite": 918,
+               "TPU v6e": 918, "NVIDIA H100": 989, "NVIDIA H200": 989, "NVIDIA A100": 312}
+
+_CORPUS_MODULES = ["argparse", "collections", "contextlib", "dataclasses", "functools", "heapq",
+                   "itertools", "json", "logging", "os", "pathlib", "pickle", "random", "re",
+                   "shutil", "statistics", "string", "textwrap", "threading", "typing", "unittest",
+                   "urllib.parse", "uuid", "zipfile", "datetime", "decimal", "fractions", "math"]
+
+
+def corpus():
+    """A few hundred KB of English: docstrings of standard-library modules and their members."""
+    import importlib
+    import inspect
+    texts = []
+    for name in _CORPUS_MODULES:
+        module = importlib.import_module(name)
+        texts.append(inspect.getdoc(module) or "")
+        for _, member in sorted(vars(module).items()):
+            doc = inspect.getdoc(member) if callable(member) else None
+            if doc and len(doc) > 80:
+                texts.append(doc)
+    return "\n\n".join(texts).encode("utf-8", errors="ignore")
+
+
+# --- the model ----------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotary(x, positions):
+    half = x.shape[-1] // 2
+    freqs = 10000.0 ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angles = positions[:, None].float() * freqs[None, :]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads, hidden):
+        super().__init__()
+        self.heads = heads
+        self.attn_norm, self.mlp_norm = RMSNorm(d), RMSNorm(d)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d, bias=False)
+        self.gate_up = nn.Linear(d, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x, positions):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).split(C, dim=-1)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        q, k = rotary(q, positions), rotary(k, positions)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class Llama(nn.Module):
+    def __init__(self, vocab=256, d=128, layers=4, heads=4, hidden=352):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d, heads, hidden) for _ in range(layers))
+        self.norm = RMSNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x, positions)
+        return self.head(self.norm(x))
+
+
+def flops_per_token(model, seq):
+    n = sum(p.numel() for p in model.parameters())
+    d, layers = model.embed.embedding_dim, len(model.blocks)
+    return 6 * n + 12 * layers * d * seq  # matmuls forward+backward, plus attention scores
+
+
+# --- training -----------------------------------------------------------------------------
+
+def batches(data, batch_size, seq, generator):
+    while True:
+        starts = torch.randint(0, len(data) - seq - 1, (batch_size,), generator=generator)
+        chunk = torch.stack([data[s:s + seq + 1] for s in starts.tolist()])
+        yield chunk[:, :-1], chunk[:, 1:]
+
+
+def save_checkpoint(path, model, opt, step, args, fmt):
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+             "args": vars(args)}
+    torch.save(state, path)
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+        save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
+                  os.path.splitext(path)[0] + ".safetensors")
+
+
+@torch.no_grad()
+def sample(model, prompt, tokens, device, temperature=0.8, seed=0):
+    """Sampled continuation of `prompt`; the model always sees a window of its full context
+    length (left-padded with spaces), so every token reuses one compiled shape."""
+    model.eval()
+    g = torch.Generator().manual_seed(seed)
+    context = model.context
+    ids = list(prompt.encode())
+    for _ in range(tokens):
+        window = ([32] * context + ids)[-context:]
+        logits = model(torch.tensor([window], device=device))[0, -1].float().cpu()
+        ids.append(int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=g)))
+    model.train()
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m torchtpu.examples.train_llm", description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--mode", choices=["strict", "fused", "compile"], default="strict")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--device", default="tpu")
+    p.add_argument("--checkpoint", default="train_llm_checkpoint.pt")
+    p.add_argument("--format", choices=["torch", "safetensors"], default="torch")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="steps (0: only at the end)")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--sample-tokens", type=int, default=120)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    torch.manual_seed(args.seed)
+    data = torch.tensor(list(corpus()), dtype=torch.long)
+    model = Llama(d=args.d_model, layers=args.layers, heads=args.heads,
+                  hidden=int(args.d_model * 8 / 3) // 16 * 16 or 16).to(args.device)
+    model.context = args.seq
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    start = 0
+    if args.resume and os.path.exists(args.checkpoint):
+        state = torch.load(args.checkpoint, map_location=args.device)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start = state["step"]
+        print(f"resumed from {args.checkpoint} at step {start}")
+    if args.mode == "fused":
+        torch.tpu.eager_mode = torch.tpu.EagerMode.DEFER_AND_FUSE
+
+    def step_fn(x, y):
+        with torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
+            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss
+
+    step = torch.compile(step_fn, backend="tpu") if args.mode == "compile" else step_fn
+    n_params = sum(p.numel() for p in model.parameters())
+    flops = flops_per_token(model, args.seq)
+    kind = torch.tpu.get_device_name() if args.device.startswith("tpu") else "cpu"
+    peak = next((v for k, v in PEAK_TFLOPS.items() if kind.startswith(k)), None)
+    print(f"Llama-style model, {n_params / 1e6:.2f}M parameters, {len(data) / 1e3:.0f}K-byte corpus, "
+          f"device {args.device} ({kind}), mode {args.mode}, {args.dtype}")
+    generator = torch.Generator().manual_seed(args.seed + start)
+    stream = batches(data, args.batch_size, args.seq, generator)
+    tokens_per_step = args.batch_size * args.seq
+    t_first = time.perf_counter()
+    t_window, window_steps, loss_value = None, 0, float("nan")
+    for i in range(start + 1, args.steps + 1):
+        x, y = next(stream)
+        loss = step(x.to(args.device, non_blocking=True), y.to(args.device, non_blocking=True))
+        if i == start + 1 or i % 10 == 0 or i == args.steps:
+            loss_value = loss.item()
+        if i == start + 1:
+            print(f"step {i}: loss {loss_value:.3f} (first step incl. compilation "
+                  f"{time.perf_counter() - t_first:.1f}s)")
+            t_window, window_steps = time.perf_counter(), 0
+            continue
+        window_steps += 1
+        elapsed = time.perf_counter() - t_window
+        tok_s = window_steps * tokens_per_step / elapsed
+        tflops = tok_s * flops / 1e12
+        mfu = f" MFU {100 * tflops / peak:.1f}%" if peak else ""
+        done = (i - start) / max(args.steps - start, 1)
+        bar = "#" * int(24 * done)
+        sys.stderr.write(f"\r[{bar:24s}] step {i}/{args.steps} loss {loss_value:.3f} "
+                         f"{tok_s:,.0f} tok/s {tflops:.3f} TFLOP/s{mfu}   ")
+        sys.stderr.flush()
+        if args.checkpoint_every and i % args.checkpoint_every == 0:
+            save_checkpoint(args.checkpoint, model, opt, i, args, args.format)
+    sys.stderr.write("\n")
+    if start < args.steps:
+        save_checkpoint(args.checkpoint, model, opt, args.steps, args, args.format)
+        print(f"final loss {loss_value:.3f}; checkpoint written to {args.checkpoint}")
+    if args.sample_tokens:
+        text = sample(model, "The ", args.sample_tokens, args.device)
+        print("sample:", repr(text))
+    return loss_value
+
+
+if __name__ == "__main__":
+    main()
