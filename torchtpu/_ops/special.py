@@ -65,13 +65,6 @@ def zeta(x, q):
     return jnp.where(x == 1, jnp.inf, jnp.where(x < 1, jnp.nan, r))
 
 
-@lowering("aten::polygamma.default", promote=True)
-def polygamma(n, x):
-    if n == 0:
-        return _wide(jss.digamma)(x)
-    return _wide(lambda v: jss.polygamma(n, v))(x)
-
-
 @lowering("aten::igamma.default", promote=True)
 @_wide
 def igamma(a, x):
