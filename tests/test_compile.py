@@ -84,6 +84,34 @@ def test_models_inference_match_eager_and_cpu(kind):
     _close(out, eager.cpu())
 
 
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = F.relu(self.bn(self.conv(x)))
+        return self.fc(x.mean((2, 3)))
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_conv_batchnorm_updates_running_stats(train):
+    torch.manual_seed(0)
+    model = ConvNet().train(train)
+    tm = copy.deepcopy(model).to("tpu")
+    compiled = torch.compile(tm, backend="tpu")
+    x = torch.randn(4, 3, 8, 8)
+    for _ in range(2):
+        ref = model(x)
+        out = compiled(x.to("tpu"))
+    _close(out, ref, rtol=1e-4, atol=1e-4)
+    _close(tm.bn.running_mean, model.bn.running_mean)
+    _close(tm.bn.running_var, model.bn.running_var)
+    assert tm.bn.num_batches_tracked.item() == model.bn.num_batches_tracked.item()
+
+
 def test_graph_break_runs_the_rest_eagerly():
     def f(x):
         y = x.sin() * 2

@@ -129,3 +129,25 @@ def test_executables_are_cached():
     for s in (0.5, 1.5, 2.5):  # new scalar values reuse the executable
         (x * s + 1).sum()
     assert torchtpu.metrics()["compiles"] == before
+
+
+@pytest.mark.parametrize("cls, shape", [(torch.nn.BatchNorm2d, (5, 3, 4, 6)), (torch.nn.BatchNorm1d, (5, 3, 4))])
+def test_batch_norm_train_updates_running_stats_and_eval_uses_them(cls, shape):
+    import copy
+    bn = cls(3, momentum=0.3)
+    tpu_bn = copy.deepcopy(bn).to("tpu")
+    x = torch.randn(*shape, requires_grad=True)
+    xt = x.detach().to("tpu").requires_grad_()
+    for _ in range(2):
+        y, yt = bn(x), tpu_bn(xt)
+    (y * y).sum().backward()
+    (yt * yt).sum().backward()
+    torch.testing.assert_close(yt.detach().cpu(), y.detach(), rtol=1e-5, atol=1e-5)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(tpu_bn, name).cpu(), getattr(bn, name))
+    torch.testing.assert_close(xt.grad.cpu(), x.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(tpu_bn.weight.grad.cpu(), bn.weight.grad, rtol=1e-4, atol=1e-5)
+    bn.eval()
+    tpu_bn.eval()
+    x2 = torch.randn(*shape)
+    torch.testing.assert_close(tpu_bn(x2.to("tpu")).detach().cpu(), bn(x2).detach(), rtol=1e-5, atol=1e-5)
