@@ -175,3 +175,26 @@ def test_tied_parameters_stay_tied_after_moving_to_tpu():
     assert model.head.weight is model.embed.weight
     assert model.head.weight.device.type == "tpu"
     assert len(list(model.parameters())) == 1
+
+
+def test_conj_and_neg_bit_views_are_read_and_written_through():
+    a = torch.randn(5, dtype=torch.complex64)
+    t = a.to("tpu")
+    torch.testing.assert_close((t.conj() * 2).cpu(), a.conj() * 2)
+    torch.testing.assert_close((t.conj() + t).cpu(), a.conj() + a)
+    torch.testing.assert_close(torch.ops.aten._neg_view(t).mul(3).cpu(), -a * 3)
+    b, bt = a.clone(), t.clone()
+    b.conj().add_(1j)
+    bt.conj().add_(1j)
+    torch.testing.assert_close(bt.cpu(), b)
+
+
+def test_complex_storage_viewed_as_real_and_back():
+    a = torch.randn(3, 4, dtype=torch.complex64)
+    t = a.to("tpu")
+    real = torch.view_as_real(t)
+    torch.testing.assert_close(real.cpu(), torch.view_as_real(a))
+    real[..., 1].mul_(-1)  # conjugate through the real view
+    torch.testing.assert_close(t.cpu(), a.conj())
+    x = torch.randn(3, 2)
+    torch.testing.assert_close((torch.view_as_complex(x.to("tpu")) * 2).cpu(), torch.view_as_complex(x) * 2)

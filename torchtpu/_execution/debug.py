@@ -52,7 +52,7 @@ def describe_inputs(vals):
 def describe_key(key):
     """The tensor inputs recorded in an op's cache key, for ops whose tensors are gone."""
     return ", ".join(f"Tensor{list(k[1])} {str(k[0]).replace('torch.', '')}" for k in key
-                     if isinstance(k, tuple) and len(k) == 5 and isinstance(k[0], torch.dtype))
+                     if isinstance(k, tuple) and len(k) in (5, 7) and isinstance(k[0], torch.dtype))
 
 
 def attributed(error, op_name, inputs, where, note=""):

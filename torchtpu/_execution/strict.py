@@ -210,7 +210,10 @@ class OpKernel:
             j = _index_of(buffers, buf)
             if j == len(buffers):
                 buffers.append(buf)
-            key.append((t.dtype, t.shape, t.stride(), t.storage_offset(), j))
+            if t.is_conj() or t.is_neg():  # lazily conjugated/negated views (x.conj(), ...)
+                key.append((t.dtype, t.shape, t.stride(), t.storage_offset(), j, t.is_conj(), t.is_neg()))
+            else:
+                key.append((t.dtype, t.shape, t.stride(), t.storage_offset(), j))
         elif t.dim() == 0 and t.device.type == "cpu":
             # A 0-dim CPU tensor mixes with device tensors (as with CUDA): its value is traced.
             key.append(("cpu", t.dtype, _is_wrapped_number(t)))
@@ -375,8 +378,8 @@ class OpKernel:
             outs = []
             if write_targets:  # in-place / out=: the results are the mutated arguments' values
                 flat_updates, flat = flat, []
-                for (j, shape, stride, offset, dtype), value in zip(write_targets, flat_updates):
-                    value = jnp.broadcast_to(jnp.asarray(value), shape)
+                for (j, shape, stride, offset, dtype, conj, neg), value in zip(write_targets, flat_updates):
+                    value = _unapply_bits(jnp.broadcast_to(jnp.asarray(value), shape), conj, neg)
                     new_arrays[j] = strided.write(new_arrays[j], shape, stride, offset, dtype, value)
             if low.eager and not specs:  # data-dependent shapes: the values define them
                 outs = [jnp.asarray(v) for v in flat]
@@ -439,7 +442,8 @@ class OpKernel:
             if t.device.type != "tpu":
                 return ("cpu", to_jax_dtype(t.dtype))
             j = _index_of(buffers, t.untyped_storage()._tpu)
-            return (j, tuple(t.shape), t.stride(), t.storage_offset(), to_jax_dtype(t.dtype))
+            return (j, tuple(t.shape), t.stride(), t.storage_offset(), to_jax_dtype(t.dtype),
+                    t.is_conj(), t.is_neg())
 
         for i, (a, v) in enumerate(zip(self.args, vals)):
             if a.kind in (_T, _TOPT):
@@ -454,7 +458,8 @@ class OpKernel:
             v = vals[i]
             for t in (v if isinstance(v, (list, tuple)) else [v]):
                 j = _index_of(buffers, t.untyped_storage()._tpu)
-                targets.append((j, tuple(t.shape), t.stride(), t.storage_offset(), to_jax_dtype(t.dtype)))
+                targets.append((j, tuple(t.shape), t.stride(), t.storage_offset(), to_jax_dtype(t.dtype),
+                                t.is_conj(), t.is_neg()))
         return targets
 
     def _run_eager(self, compiled, vals, arrays, buffers, scalars, device):
@@ -500,10 +505,20 @@ def _read(slot, arrays, scalar_it, promote_dtype):
     if slot[0] == "cpu":
         value = jnp.asarray(next(scalar_it), dtype=slot[1])
     else:
-        j, shape, stride, offset, dtype = slot
-        value = strided.read(arrays[j], shape, stride, offset, dtype)
+        j, shape, stride, offset, dtype, conj, neg = slot
+        value = _unapply_bits(strided.read(arrays[j], shape, stride, offset, dtype), conj, neg)
     if promote_dtype is not None and value.dtype != promote_dtype:
         value = value.astype(promote_dtype)
+    return value
+
+
+def _unapply_bits(value, conj, neg):
+    """A conj/neg-bit view's logical value from its storage's (and, the same involution, the
+    storage value to write for a logical value)."""
+    if conj:
+        value = jnp.conj(value)
+    if neg:
+        value = -value
     return value
 
 

@@ -17,6 +17,12 @@ from .._device.storage import contiguous_strides
 def _as_dtype(array, dtype):
     if array.dtype == dtype:
         return array
+    # XLA cannot bitcast complex values: go through their (real, imag) component pairs.
+    if jnp.issubdtype(array.dtype, jnp.complexfloating):
+        return _as_dtype(jnp.stack([array.real, array.imag], -1).reshape(-1), dtype)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        pairs = _as_dtype(array, jnp.finfo(dtype).dtype).reshape(-1, 2)
+        return lax.complex(pairs[:, 0], pairs[:, 1])
     src, dst = jnp.dtype(array.dtype).itemsize, jnp.dtype(dtype).itemsize
     flat = array.reshape(-1)
     if src == dst:
