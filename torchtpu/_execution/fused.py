@@ -127,7 +127,6 @@ def flush(reason):
     if tr.captured:
         raise CaptureBroken(f"the ops being captured had to run part-way ({reason})")
     counters = metrics.counters
-    counters["ops"] += len(tr.signature)
     counters["fused_ops"] += len(tr.signature)
     for kernel, _ in tr.where:
         counters[kernel.metric_key] += 1

@@ -150,6 +150,8 @@ class OpKernel:
             device = runtime.current_device()
         if not buffers:
             key.append(torch.get_default_dtype())
+        if scalars and not modes.fused:
+            scalars = [_device_scalar(v, device) for v in scalars]
         if self.low.random:
             scalars = list(next_key_parts(device)) + scalars
         if self.low.precision:
@@ -163,12 +165,10 @@ class OpKernel:
             if not self.low.eager:
                 return fused.record(self, compiled, vals, buffers, scalars, device)
             fused.flush("data_dependent")
-        arrays = [b.value() for b in buffers]
+        arrays = [b._array if type(b._array) is _Array else b.value() for b in buffers]
         if self.low.eager:
             return self._run_eager(compiled, vals, arrays, buffers, scalars, device)
-        counters = metrics.counters
-        counters["ops"] += 1
-        counters[self.metric_key] += 1
+        metrics.counters[self.metric_key] += 1
         if modes.blocking:
             outs, updated, checks = self._run_blocking(compiled, vals, arrays, scalars)
         else:
@@ -463,7 +463,6 @@ class OpKernel:
         return targets
 
     def _run_eager(self, compiled, vals, arrays, buffers, scalars, device):
-        metrics.counters["ops"] += 1
         metrics.counters[self.metric_key] += 1
         metrics.counters["syncs"] += 1
         outs, updated, checks = compiled.fn(*arrays, *scalars)
@@ -478,6 +477,7 @@ class OpKernel:
 
 
 _int_probe = torch.empty((), dtype=torch.int32, device="meta")
+_Array = type(jnp.zeros(()))
 
 
 def _is_wrapped_number(t):
@@ -510,6 +510,36 @@ def _read(slot, arrays, scalar_it, promote_dtype):
     if promote_dtype is not None and value.dtype != promote_dtype:
         value = value.astype(promote_dtype)
     return value
+
+
+# Python numbers that recur (alpha=1, an epsilon, a learning rate) are passed to executables
+# as cached weakly typed device scalars: converting a number on every call costs ~1 us.
+# A value is cached from its second sighting, so per-call values (a step count) stay cheap;
+# zeros and NaN are never cached (-0.0 == 0.0 and NaN != NaN would confuse the lookup).
+_scalar_cache = {}
+_scalar_seen = set()
+_INT64 = (-(1 << 63), 1 << 63)
+
+
+def _device_scalar(v, device):
+    key = (type(v), v, device)
+    cached = _scalar_cache.get(key)
+    if cached is not None:
+        return cached
+    if type(v) is float:
+        if not v or v != v:
+            return v
+    elif type(v) is not int or not v or not _INT64[0] <= v < _INT64[1]:
+        return v
+    if key not in _scalar_seen:
+        if len(_scalar_seen) > 65536:
+            _scalar_seen.clear()
+        _scalar_seen.add(key)
+        return v
+    if len(_scalar_cache) > 4096:
+        _scalar_cache.clear()
+    cached = _scalar_cache[key] = jax.device_put(jnp.asarray(v), runtime.jax_device(device))
+    return cached
 
 
 def _unapply_bits(value, conj, neg):
