@@ -4,13 +4,19 @@ vs native torch CPU eager vs the same step written directly in JAX under one jax
     python benchmarks/train_step.py [--mode strict,fused,compile] [--layers 4 --d-model 256
                                      --heads 4 --seq 128 --batch 8 --vocab 1024]
 
-Each mode starts from empty executable caches, so its first step shows its own warm-up.
+Each mode starts from empty executable caches, so its first step shows its own warm-up (the
+persistent compilation cache is off here unless TORCHTPU_CACHE_DIR is set).
 "compile" is torch.compile(step, backend="tpu") of the whole step (forward, backward, AdamW);
 with it, torch.compile (inductor) of the same step on the CPU is measured too.
 """
 import argparse
 import copy
+import os
 import time
+
+# Warm-up figures are for cold compiles: no persistent compilation cache (compile_cache.py
+# measures the cache) unless TORCHTPU_CACHE_DIR is set explicitly.
+os.environ.setdefault("TORCHTPU_CACHE_DIR", "")
 
 import jax
 import jax.numpy as jnp
