@@ -10,7 +10,6 @@ utilisation.  Checkpoints are written with torch.save (and safetensors when inst
 --format safetensors); --resume continues from the last one; the run ends by sampling text.
 """
 import argparse
-import math
 import os
 import sys
 import time
