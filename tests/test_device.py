@@ -186,3 +186,25 @@ def test_platform_choice_env():
     out = run_python("import torch, torchtpu; print(torchtpu._runtime.platform())",
                      env={"TORCHTPU_PLATFORM": "cpu"})
     assert out.strip() == "cpu"
+
+
+def test_streams_and_events():
+    s = torch.tpu.Stream()
+    assert isinstance(s, torch.Stream) and s.device == torch.device("tpu", 0)
+    assert s == torch.tpu.current_stream() == torch.tpu.default_stream()  # one stream per device
+    x = torch.randn(256, 256, device="tpu")
+    start, end = torch.tpu.Event(enable_timing=True), torch.tpu.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        x = x @ x / 256
+    end.record(s)
+    end.synchronize()
+    assert end.query() and start.elapsed_time(end) >= 0.0
+    with torch.tpu.stream(torch.tpu.Stream()) as other:
+        y = x + 1
+    other.wait_stream(s)
+    y.record_stream(other)
+    other.synchronize()
+    assert other.query()
+    with pytest.raises(RuntimeError, match="enable_timing"):
+        torch.tpu.Event().elapsed_time(end)

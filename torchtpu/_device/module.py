@@ -241,6 +241,10 @@ def jax_precision():
 enable_cpu_fallback = False
 
 
+# --- streams and events ---------------------------------------------------------------------
+
+from .streams import Event, Stream, current_stream, default_stream, set_stream, stream  # noqa: E402,F401
+
 # --- execution modes -----------------------------------------------------------------------
 
 EagerMode = _modes.EagerMode

@@ -16,3 +16,8 @@ def synchronize(index=None):
     for a in pending:
         if a is not None:
             a.block_until_ready()
+
+
+def pending():
+    """The live outputs of recently dispatched work (what an Event waits for)."""
+    return [a for a in (r() for r in _recent) if a is not None]
