@@ -97,8 +97,12 @@ def _with_update(x, weight, bias, running_mean, running_var, training, momentum,
             raise RuntimeError("running_mean and running_var must be defined in evaluation mode")
         return aten._native_batch_norm_legit.no_stats(x, weight, bias, True, momentum, eps)
     if not training:
-        return aten._native_batch_norm_legit_no_training(x, weight, bias, running_mean,
-                                                          running_var, momentum, eps)
+        out, _, _ = aten._native_batch_norm_legit_no_training(x, weight, bias, running_mean,
+                                                               running_var, momentum, eps)
+        # In evaluation nothing is saved for backward: empty, as the CPU kernel returns.
+        stats_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        empty = x.new_empty((0,), dtype=stats_dtype)
+        return out, empty, empty.clone()
     out, mean, invstd, new_mean, new_var = aten._native_batch_norm_legit_functional(
         x, weight, bias, running_mean, running_var, True, momentum, eps)
     running_mean.copy_(new_mean)
