@@ -35,7 +35,7 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 NONDETERMINISTIC = {
     "bernoulli", "cauchy", "exponential", "geometric", "log_normal", "multinomial", "normal",
     "normal.number_mean", "normal.in_place", "uniform", "rand_like", "randn_like",
-    "randint_like", "randint", "empty", "empty_like", "empty_strided", "empty_permuted",
+    "randint_like", "randint", "rand", "randn", "empty", "empty_like", "empty_strided", "empty_permuted",
     "new_empty", "new_empty_strided", "nn.functional.dropout", "nn.functional.dropout2d",
     "nn.functional.dropout3d", "nn.functional.alpha_dropout",
     "nn.functional.feature_alpha_dropout.with_train", "nn.functional.rrelu",
