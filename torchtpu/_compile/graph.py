@@ -108,7 +108,6 @@ class Captured:
             if kernel.low.random:
                 self.random_positions.append(pos)
             pos += n_scalars
-        slot_of = {id(p): p.slot for p in tr.pendings}
         result_slots = []
 
         def result_index(slot):
@@ -121,18 +120,13 @@ class Captured:
         flat = outs if isinstance(outs, (list, tuple)) else [outs]
         self.returns_sequence = isinstance(outs, (list, tuple))
         for o in flat:
-            self.outputs.append(self._output_spec(o, args, buffers, tr, slot_of, result_index))
-        self.result_slots = result_slots
+            self.outputs.append(self._output_spec(o, args, tr, result_index))
         overwritten = {j for j, _ in self.mutations}
         self.donatable = tuple(isinstance(src, int) and src in overwritten for src in self.sources)
-        self.donating = {}
-        self.has_checks = None
-        self.fn = jax.jit(fused._segment_function(
-            self.signature, result_slots, self.scalar_types, (False,) * len(self.sources)))
-        self.has_run = False
+        self.segment = fused.Segment(self.signature, result_slots, self.scalar_types)
 
     @staticmethod
-    def _output_spec(o, args, buffers, tr, slot_of, result_index):
+    def _output_spec(o, args, tr, result_index):
         if not isinstance(o, torch.Tensor):
             return ("value", o)
         for i, a in enumerate(args):
@@ -150,7 +144,7 @@ class Captured:
             raise fused.CaptureBroken(f"the graph computes a {o.device} tensor")
         if p is None:  # a fresh `empty` tensor the graph never wrote
             return ("empty", *view, o.dtype, buf.nbytes)
-        return ("arg", o)  # a tensor the graph holds as a constant
+        return ("constant", o)  # a tensor the graph holds
 
     def _arguments(self, buffers):
         inputs = [b.value() for b in buffers]
@@ -164,18 +158,16 @@ class Captured:
 
     def stablehlo(self, buffers):
         _, ext, packed = self._arguments(buffers)
-        return self.fn.lower([], ext, packed).as_text()
+        return self.segment.lower(ext, packed).as_text()
 
     def _donation(self, inputs):
         """Which arguments the executable may consume: arrays of inputs the graph overwrites
         (parameters, optimizer state) that nothing but their storage refers to, once the
         graph is known to have no index checks (a failed check must leave inputs intact)."""
-        if not self.has_run or self.has_checks or not any(self.donatable):
-            return None
+        if self.segment.has_checks is not False or not any(self.donatable):
+            return (False,) * len(self.sources)
         # References: the storage, the `inputs` and `ext` lists, getrefcount's argument.
-        mask = tuple(d and sys.getrefcount(inputs[s]) <= 4
-                     for d, s in zip(self.donatable, self.sources))
-        return mask if any(mask) else None
+        return tuple(d and sys.getrefcount(inputs[s]) <= 4 for d, s in zip(self.donatable, self.sources))
 
     def __call__(self, args, buffers):
         with metrics.span(f"torchtpu::graph {self.name}"):
@@ -185,32 +177,18 @@ class Captured:
         inputs, ext, packed = self._arguments(buffers)
         mask = self._donation(inputs)
         del inputs
-        start = None if self.has_run else time.perf_counter()
-        if mask is None:
-            results, checks = self.fn([], ext, packed)
-        else:
-            fn = self.donating.get(mask)
-            if fn is None:
-                start = time.perf_counter()
-                fn = self.donating[mask] = jax.jit(fused._segment_function(
-                    self.signature, self.result_slots, self.scalar_types, mask), donate_argnums=(0,))
-            donated = [a for a, d in zip(ext, mask) if d]
-            kept = [a for a, d in zip(ext, mask) if not d]
-            del ext
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-                results, checks = fn(donated, kept, packed)
-            metrics.counters["donated_buffers"] += len(donated)
-            del donated
-        if start is not None:
-            self.has_run = True
-            self.has_checks = any(c.check_info for c, _, _ in self.signature)
+        compiling = not self.segment.has_executable(mask)
+        start = time.perf_counter()
+        results, checks = self.segment.run(ext, mask, packed)
+        if compiling:
+            self.segment.has_checks = any(c.check_info for c, _, _ in self.signature)
             metrics.counters["graph_compiles"] += 1
             metrics.counters["compile_seconds"] += time.perf_counter() - start
         else:
             metrics.counters["graph_cache_hits"] += 1
-        if any(checks):
-            self._raise_failed_check(checks)
+        failed = fused._first_failed_check(checks)
+        if failed is not None:
+            self._raise_failed_check(failed, checks[failed])
         for j, r in self.mutations:
             buffers[j]._array = results[r]
         if results:
@@ -222,7 +200,9 @@ class Captured:
             if kind == "value":
                 outs.append(spec[1])
             elif kind == "arg":
-                outs.append(args[spec[1]] if isinstance(spec[1], int) else spec[1])
+                outs.append(args[spec[1]])
+            elif kind == "constant":
+                outs.append(spec[1])
             elif kind == "empty":
                 _, shape, stride, offset, dtype, nbytes = spec
                 outs.append(storage.wrap(None, shape, stride, dtype, self.device, nbytes, offset))
@@ -241,15 +221,13 @@ class Captured:
                 outs.append(t)
         return outs if self.returns_sequence else outs[0]
 
-    def _raise_failed_check(self, checks):
-        for i, op_checks in enumerate(jax.device_get(checks)):
-            if op_checks and not all(bool(c) for c in op_checks):
-                compiled = self.signature[i][0]
-                kernel, _ = self.where[i]
-                for ok, (exc_type, message) in zip(op_checks, compiled.check_info):
-                    if not bool(ok):
-                        raise exc_type(f"{message}\n  [torchtpu] raised by {kernel.overload}"
-                                       f"({describe_key(compiled.key)}) in compiled graph {self.name}")
+    def _raise_failed_check(self, i, op_checks):
+        compiled = self.signature[i][0]
+        kernel, _ = self.where[i]
+        for ok, (exc_type, message) in zip(jax.device_get(op_checks), compiled.check_info):
+            if not bool(ok):
+                raise exc_type(f"{message}\n  [torchtpu] raised by {kernel.overload}"
+                               f"({describe_key(compiled.key)}) in compiled graph {self.name}")
 
 
 class CompiledGraph:
@@ -289,7 +267,6 @@ class CompiledGraph:
         return captured(args, buffers)
 
     def _run_eagerly(self, args, why):
-        import warnings
         warnings.warn(f"torchtpu: compiled graph {self.name} runs op by op: {why}")
         metrics.counters["graph_eager_runs"] += 1
         self.eager = True

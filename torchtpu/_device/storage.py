@@ -70,6 +70,8 @@ class Failed:
         self.error = error
 
 
+Array = type(jnp.zeros(()))  # a concrete JAX array
+
 # Set by the fused execution mode: runs pending work (argument: why) so values exist.
 flush_pending = None
 
@@ -118,6 +120,9 @@ class DeviceBuffer:
 
     def value(self):
         """The array; storage created by `empty` materialises as zeros on first read."""
+        a = self._array
+        if type(a) is Array:  # the hot path: no pending work, already materialised
+            return a
         a = self.array
         if a is None:
             itemsize = jnp.dtype(self.dtype).itemsize

@@ -47,7 +47,6 @@ class _Trace:
 
 _trace = None
 _segments = {}
-_Array = type(jax.numpy.zeros(()))
 
 
 def record(kernel, compiled, vals, buffers, scalars, device):
@@ -64,8 +63,7 @@ def record(kernel, compiled, vals, buffers, scalars, device):
         if type(a) is Pending and a.trace is tr:
             wiring.append(a.slot)
             continue
-        if a is None or type(a) is not _Array:
-            a = b.value()
+        a = b.value()
         k = tr.ext_ids.get(id(a))
         if k is None:
             k = tr.ext_ids[id(a)] = len(tr.ext_arrays)
@@ -130,8 +128,8 @@ def flush(reason):
     counters["fused_ops"] += len(tr.signature)
     for kernel, _ in tr.where:
         counters[kernel.metric_key] += 1
-    metrics.counters["flushes"] += 1
-    metrics.counters[f"flush::{reason}"] += 1
+    counters["flushes"] += 1
+    counters[f"flush::{reason}"] += 1
     outputs = []
     for p in tr.pendings:
         owner = p.owner()
@@ -143,32 +141,22 @@ def flush(reason):
     if segment is None:
         if len(_segments) >= _MAX_SEGMENTS:
             _segments.pop(next(iter(_segments)))
-        segment = _segments[key] = _Segment(tr.signature, outputs, scalar_types)
+        segment = _segments[key] = Segment(tr.signature, outputs, scalar_types)
     donate = segment.donatable(tr.ext_arrays)
-    fn = segment.executables.get(donate)
-    start = None
-    if fn is None:
-        metrics.counters["segment_compiles"] += 1
-        fn = segment.executables[donate] = jax.jit(
-            _segment_function(*segment.structure, donate), donate_argnums=(0,) if any(donate) else ())
-        start = time.perf_counter()
-    else:
-        metrics.counters["segment_cache_hits"] += 1
-    donated = [a for a, d in zip(tr.ext_arrays, donate) if d]
-    kept = [a for a, d in zip(tr.ext_arrays, donate) if not d]
+    compiling = not segment.has_executable(donate)
+    start = time.perf_counter()
     try:
-        with warnings.catch_warnings(), metrics.span(f"torchtpu::flush ({reason})"):
-            # Donating a freed array that no output can reuse is harmless; JAX warns anyway.
-            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-            results, checks = fn(donated, kept, _pack_scalars(tr.scalars, scalar_types))
+        with metrics.span(f"torchtpu::flush ({reason})"):
+            results, checks = segment.run(tr.ext_arrays, donate, _pack_scalars(tr.scalars, scalar_types))
         failed = _first_failed_check(checks)
     except Exception:
         failed = -1
-    if start is not None:
-        metrics.counters["compile_seconds"] += time.perf_counter() - start
+    if compiling:
+        counters["segment_compiles"] += 1
+        counters["compile_seconds"] += time.perf_counter() - start
         segment.has_checks = any(c.check_info for c, _, _ in tr.signature)
-    metrics.counters["donated_buffers"] += len(donated)
-    del donated, kept
+    else:
+        counters["segment_cache_hits"] += 1
     if failed is not None:
         _replay_and_raise(tr, reason)
         return
@@ -216,8 +204,9 @@ def _as_weak(v):
     return _convert_element_type(v, weak_type=True)
 
 
-class _Segment:
-    """One cached trace structure: its function, and executables per donation pattern."""
+class Segment:
+    """One recorded op sequence (a fused segment or a compiled graph): its executables, one
+    per pattern of donated inputs."""
 
     __slots__ = ("structure", "executables", "has_checks")
 
@@ -234,6 +223,28 @@ class _Segment:
             return (False,) * len(ext_arrays)
         # References: the list, the loop variable and getrefcount's argument.
         return tuple(sys.getrefcount(a) <= 3 for a in ext_arrays)
+
+    def has_executable(self, donate):
+        return donate in self.executables
+
+    def run(self, ext_arrays, donate, packed_scalars):
+        """(results, checks) of the executable for this donation pattern (built if new)."""
+        fn = self.executables.get(donate)
+        if fn is None:
+            fn = self.executables[donate] = jax.jit(
+                _segment_function(*self.structure, donate), donate_argnums=(0,) if any(donate) else ())
+        donated = [a for a, d in zip(ext_arrays, donate) if d]
+        kept = [a for a, d in zip(ext_arrays, donate) if not d]
+        with warnings.catch_warnings():
+            # Donating a freed array that no output can reuse is harmless; JAX warns anyway.
+            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            results, checks = fn(donated, kept, packed_scalars)
+        metrics.counters["donated_buffers"] += len(donated)
+        return results, checks
+
+    def lower(self, ext_arrays, packed_scalars):
+        fn = jax.jit(_segment_function(*self.structure, (False,) * len(ext_arrays)))
+        return fn.lower([], ext_arrays, packed_scalars)
 
 
 def _segment_function(signature, outputs, scalar_types, donate):

@@ -165,7 +165,7 @@ class OpKernel:
             if not self.low.eager:
                 return fused.record(self, compiled, vals, buffers, scalars, device)
             fused.flush("data_dependent")
-        arrays = [b._array if type(b._array) is _Array else b.value() for b in buffers]
+        arrays = [b.value() for b in buffers]
         if self.low.eager:
             return self._run_eager(compiled, vals, arrays, buffers, scalars, device)
         metrics.counters[self.metric_key] += 1
@@ -477,7 +477,6 @@ class OpKernel:
 
 
 _int_probe = torch.empty((), dtype=torch.int32, device="meta")
-_Array = type(jnp.zeros(()))
 
 
 def _is_wrapped_number(t):
