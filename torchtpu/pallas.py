@@ -127,17 +127,11 @@ def _is_literal(v):
 
 
 @functools.lru_cache(maxsize=None)
-def _static_kwargs_cached(key):
-    return dict(ast.literal_eval(key))
-
-
 def _static_kwargs(key):
-    # The static keyword arguments travel in the op's string argument, so nothing outside the
-    # call needs updating (Dynamo would defer such a side effect past the graph's tracing).
-    try:
-        return _static_kwargs_cached(key)
-    except (ValueError, SyntaxError):
-        return None
+    # The static keyword arguments travel in the op's string argument (literals only, checked
+    # by the call), so nothing outside the call needs updating: Dynamo would defer such a side
+    # effect past the graph's tracing.
+    return dict(ast.literal_eval(key))
 
 
 def _struct(t):
