@@ -9,25 +9,21 @@ import subprocess
 import sys
 import tempfile
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+
 CHILD = r"""
 import sys, time
 t0 = time.perf_counter()
 import torch, torchtpu
 from torchtpu.examples.models import GPT
-a = dict(arg.split("=") for arg in sys.argv[1:])
+sys.path.insert(0, sys.argv[1])
+from train_step import torch_step
+a = dict(arg.split("=") for arg in sys.argv[2:])
 torch.manual_seed(0)
 model = GPT(int(a["vocab"]), int(a["d_model"]), int(a["heads"]), int(a["layers"]), int(a["seq"])).to("tpu")
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 idx = torch.randint(0, int(a["vocab"]), (int(a["batch"]), int(a["seq"])), device="tpu")
-
-@torch.compile(backend="tpu")
-def step():
-    loss = model(idx, idx)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss
-
+step = torch.compile(torch_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), idx, idx),
+                     backend="tpu")
 t1 = time.perf_counter()
 step().item()
 t2 = time.perf_counter()
@@ -46,7 +42,7 @@ def main():
         env = {**os.environ, "TORCHTPU_CACHE_DIR": cache}
         rows = []
         for label in ("empty cache", "warm cache"):
-            out = subprocess.run([sys.executable, "-c", CHILD, *child_args], env=env, capture_output=True,
+            out = subprocess.run([sys.executable, "-c", CHILD, HERE, *child_args], env=env, capture_output=True,
                                  text=True, check=True).stdout
             first, total, hits, compile_s = out.split("RESULT")[1].split()
             rows.append((label, float(first), float(total), int(hits), float(compile_s)))

@@ -79,6 +79,18 @@ def jax_step_fn(model):
     return step, params, zeros, zeros
 
 
+def torch_step(m, opt, x, y):
+    """One training step of `m` (forward, backward, optimizer); returns the loss. Also used by
+    compile_cache.py."""
+    def step():
+        loss = m(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+    return step
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
@@ -95,14 +107,6 @@ def main():
     model = GPT(a.vocab, a.d_model, a.heads, a.layers, a.seq)
     idx = torch.randint(0, a.vocab, (a.batch, a.seq))
     tgt = torch.randint(0, a.vocab, (a.batch, a.seq))
-
-    def torch_step(m, opt, x, y):
-        def step():
-            loss = m(x, y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        return step
 
     cpu_model = copy.deepcopy(model)
     t_cpu = time_steps(torch_step(cpu_model, torch.optim.AdamW(cpu_model.parameters(), lr=1e-3), idx, tgt),
