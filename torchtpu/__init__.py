@@ -39,6 +39,8 @@ def _install_kernels():
     from ._compile import backend, cache
     backend.register()
     cache.enable()
+    from . import _distributed
+    _distributed.register()
     return lib, fallback_lib
 
 

@@ -50,6 +50,9 @@ def devices():
     global _devices
     if _devices is None:
         _devices = jax.local_devices(backend=platform())
+        if not 0 <= _current[0] < len(_devices):
+            bad, _current[0] = _current[0], 0
+            jax_device(bad)  # raises: torch.tpu.set_device was given a device that is not there
     return _devices
 
 
@@ -75,6 +78,12 @@ def current_device():
 
 
 def set_current_device(index):
+    from jax._src import xla_bridge
+    if _devices is None and not xla_bridge.backends_are_initialized():
+        # Checked when the runtime starts: `torch.tpu.set_device(local_rank)` may come before
+        # init_process_group, which must start JAX's multi-process runtime first.
+        _current[0] = index
+        return
     jax_device(index)
     _current[0] = index
 

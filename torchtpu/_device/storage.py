@@ -70,7 +70,9 @@ class Failed:
         self.error = error
 
 
-Array = type(jnp.zeros(()))  # a concrete JAX array
+# The concrete JAX array type, named without creating an array: importing torchtpu must not
+# start the XLA backends, or `jax.distributed.initialize` (multi-process jobs) could not run.
+from jax._src.array import ArrayImpl as Array  # noqa: E402
 
 # Set by the fused execution mode: runs pending work (argument: why) so values exist.
 flush_pending = None
