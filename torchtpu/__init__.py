@@ -35,6 +35,8 @@ def _install_kernels():
     from ._device import autocast, modules
     autocast.register(lib, fallback_lib)
     modules.install()
+    from ._device import storage
+    storage.install()
     fused.install()
     from ._compile import backend, cache
     backend.register()

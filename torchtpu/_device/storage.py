@@ -269,3 +269,46 @@ def _dlpack_seed(index):
 
 
 _dlpack_keepalive = []
+
+
+# --- UntypedStorage.resize_ ----------------------------------------------------------------
+# PyTorch resizes a PrivateUse1 storage through a C++ hook Python cannot provide. FSDP2 frees
+# and re-creates unsharded parameters with `storage.resize_(0)` / `resize_(n)`, so tpu storages
+# resize here: a fresh address of the new size is swapped in (`_swap_data_ptr_` swaps the data
+# pointer and the byte size, so every tensor on this storage sees the new size), and the
+# device buffer keeps the old bytes that still fit.
+_resize_ = torch.UntypedStorage.resize_
+
+
+def _resize_bytes(storage, nbytes):
+    nbytes = int(nbytes)
+    if nbytes < 0:
+        raise RuntimeError(f"Storage size calculation overflowed with sizes=[{nbytes}]")
+    old = storage._tpu
+    if nbytes == old.nbytes:
+        return storage
+    # `_swap_data_ptr_` needs one side empty: first empty this storage, then take the new size.
+    if old.nbytes:
+        storage._swap_data_ptr_(_storage_from_pointer(_reserve_address(0), storage.device, 0))
+    if nbytes:
+        storage._swap_data_ptr_(
+            _storage_from_pointer(_reserve_address(nbytes), storage.device, nbytes))
+    array = None
+    if old.nbytes and nbytes and old._array is not None:
+        itemsize = jnp.dtype(old.dtype).itemsize
+        flat = old.value().reshape(-1)
+        keep = min(old.nbytes, nbytes) // itemsize
+        array = jnp.zeros(nbytes // itemsize, old.dtype, device=runtime.jax_device(old.index))
+        array = array.at[:keep].set(flat[:keep])
+    storage._tpu = DeviceBuffer(array, nbytes, old.index, old.dtype)
+    return storage
+
+
+def resize_storage(storage, nbytes):
+    if storage.device.type != "tpu":
+        return _resize_(storage, nbytes)
+    return _resize_bytes(storage, nbytes)
+
+
+def install():
+    torch.UntypedStorage.resize_ = resize_storage

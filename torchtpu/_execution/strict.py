@@ -400,13 +400,16 @@ class OpKernel:
         for i, a in enumerate(self.args):
             if not a.is_out or vals[i] is None:
                 continue
-            meta = kw[a.name] if a.kwarg_only else pos[i]
-            real = vals[i]
-            if tuple(meta.shape) != tuple(real.shape) or meta.stride() != real.stride():
-                real.resize_(meta.shape)
-                if meta.stride() != real.stride():
-                    real.as_strided_(meta.shape, meta.stride())
-                resized = True
+            metas = kw[a.name] if a.kwarg_only else pos[i]
+            reals = vals[i]
+            if not isinstance(reals, (list, tuple)):  # `Tensor(a!)[] out` is a list
+                metas, reals = [metas], [reals]
+            for meta, real in zip(metas, reals):
+                if tuple(meta.shape) != tuple(real.shape) or meta.stride() != real.stride():
+                    real.resize_(meta.shape)
+                    if meta.stride() != real.stride():
+                        real.as_strided_(meta.shape, meta.stride())
+                    resized = True
         if resized:
             raise _OutResized
 
