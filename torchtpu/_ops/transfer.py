@@ -132,8 +132,21 @@ def _pin_memory(self, device=None):
     return aten._pin_memory.default.redispatch(_COMPOSITE, self, device)
 
 
+def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None,
+             non_blocking=False, memory_format=None):
+    # PyTorch's `_to_copy` gives a non-blocking device->host copy a pinned CPU output, made by
+    # the same missing allocator hook. The host copy waits for the value anyway, so it is the
+    # ordinary copy.
+    if non_blocking and device is not None and torch.device(device).type == "cpu":
+        non_blocking = False
+    return aten._to_copy.default.redispatch(
+        _COMPOSITE, self, dtype=dtype, layout=layout, device=device, pin_memory=pin_memory,
+        non_blocking=non_blocking, memory_format=memory_format)
+
+
 def register(lib):
     lib.impl(aten._pin_memory.default, _pin_memory, "CPU")
+    lib.impl(aten._to_copy.default, _to_copy, "PrivateUse1")
     lib.impl(aten.copy_.default, _copy_, "PrivateUse1")
     lib.impl(aten._local_scalar_dense.default, _local_scalar_dense, "PrivateUse1")
     lib.impl(aten.resize_.default, _resize_, "PrivateUse1")
