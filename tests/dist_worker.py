@@ -349,7 +349,31 @@ def scenario_rank_dies():
         raise AssertionError("all_reduce with a dead peer returned")
     except dist.DistBackendError as e:
         print(f"MEASURE error_after={time.time() - start:.1f}s {type(e).__name__}: {e}", flush=True)
+    print("PASS rank_dies rank 0", flush=True)
     os._exit(0)  # JAX's coordination service would otherwise report the lost peer at exit
+
+
+def scenario_rank_stalls():
+    dist.init_process_group("tpu", timeout=datetime.timedelta(seconds=5))
+    r = dist.get_rank()
+    t = torch.ones(4, device="tpu")
+    dist.all_reduce(t)
+    if r == 1:
+        time.sleep(25)  # alive, but never joins the next collective
+        os._exit(0)
+    start = time.time()
+    try:
+        dist.all_reduce(t)
+        raise AssertionError("all_reduce with a stalled peer returned")
+    except dist.DistBackendError as e:
+        print(f"MEASURE error_after={time.time() - start:.1f}s {type(e).__name__}: {e}", flush=True)
+    try:
+        dist.all_reduce(t)
+        raise AssertionError("the group kept working after a timeout")
+    except dist.DistBackendError as e:
+        assert "unusable" in str(e), e
+    print("PASS rank_stalls rank 0", flush=True)
+    os._exit(0)
 
 
 def scenario_never_joins():
@@ -360,6 +384,7 @@ def scenario_never_joins():
     except (dist.DistError, RuntimeError) as e:
         print(f"MEASURE error_after={time.time() - start:.1f}s {type(e).__name__}: "
               f"{str(e).splitlines()[0]}", flush=True)
+    print("PASS never_joins rank 0", flush=True)
     os._exit(0)
 
 

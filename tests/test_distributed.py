@@ -1,0 +1,164 @@
+"""torch.distributed on tpu: the "tpu" c10d backend across real processes.
+
+Each test launches ranks of tests/dist_worker.py the way torchrun does (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT), on CPU JAX devices with gloo underneath; the worker
+asserts, these tests check every rank passed and read the figures it printed.
+"""
+import datetime
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(rank, world, port):
+    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+               LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="1")
+    env.pop("XLA_FLAGS", None)  # one CPU device per process, as one chip per process
+    return env
+
+
+def launch(scenario, world, ranks=None, timeout=240):
+    """Run `ranks` (default: all) of a `world`-rank job; returns {rank: (returncode, output)}."""
+    port = _port()
+    procs = {r: subprocess.Popen([sys.executable, WORKER, scenario], env=_env(r, world, port),
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in (range(world) if ranks is None else ranks)}
+    deadline = time.time() + timeout
+    results = {}
+    for r, p in procs.items():
+        try:
+            out, _ = p.communicate(timeout=max(deadline - time.time(), 1))
+        except subprocess.TimeoutExpired:
+            for q in procs.values():
+                q.kill()
+            out, _ = p.communicate()
+            raise AssertionError(f"rank {r} of {scenario} hung:\n{out[-4000:]}") from None
+        results[r] = (p.returncode, out)
+    return results
+
+
+def assert_passed(results, scenario, ranks=None):
+    for r, (rc, out) in results.items():
+        if ranks is not None and r not in ranks:
+            continue
+        assert rc == 0 and f"PASS {scenario} rank {r}" in out, \
+            f"rank {r} of {scenario} failed (exit {rc}):\n{out[-6000:]}"
+
+
+def measures(out):
+    return [line.split(" ", 1)[1] for line in out.splitlines() if line.startswith("MEASURE ")]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_collectives_match_gloo(world):
+    assert_passed(launch("collectives", world), "collectives")
+
+
+def test_ddp_and_fsdp2_train_like_one_process():
+    results = launch("training", 2)
+    assert_passed(results, "training")
+    # FSDP2 keeps about 1/N of the parameters on each rank.
+    for r, (_, out) in results.items():
+        (m,) = [m for m in measures(out) if m.startswith("fsdp_param_bytes")]
+        full, local = (int(x) for x in re.findall(r"full=(\d+) local=(\d+)", m)[0])
+        assert local <= full / 2 * 1.1, m
+
+
+def test_dtensor_and_distributed_checkpoint():
+    assert_passed(launch("dtensor", 2), "dtensor")
+
+
+def test_killed_rank_raises_instead_of_hanging():
+    results = launch("rank_dies", 2, timeout=120)
+    assert_passed(results, "rank_dies", ranks={0})
+    assert results[1][0] == 17
+    (m,) = measures(results[0][1])
+    assert "DistBackendError" in m and "did another rank exit?" in m, m
+
+
+def test_stalled_rank_times_out():
+    start = time.time()
+    results = launch("rank_stalls", 2, timeout=120)
+    assert_passed(results, "rank_stalls", ranks={0})
+    (m,) = measures(results[0][1])
+    waited = float(re.search(r"error_after=([\d.]+)s", m).group(1))
+    assert 4.5 <= waited <= 15 and "timed out" in m, m
+    assert time.time() - start < 90
+
+
+def test_rank_that_never_joins_fails_init_within_timeout():
+    results = launch("never_joins", 2, ranks=[0], timeout=120)
+    assert_passed(results, "never_joins")
+    (m,) = measures(results[0][1])
+    waited = float(re.search(r"error_after=([\d.]+)s", m).group(1))
+    assert waited <= 20, m
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(
+    os.path.join(os.path.dirname(sys.executable), "torchrun")), reason="torchrun not installed")
+def test_torchrun_launches_unchanged_script():
+    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)
+    out = subprocess.run([torchrun, "--nproc-per-node", "2", "--standalone", WORKER, "dtensor"],
+                         env=env, capture_output=True, text=True, timeout=240)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-6000:]
+    assert "PASS dtensor rank 0" in text and "PASS dtensor rank 1" in text, text[-3000:]
+
+
+# --- in this process: a one-rank group ---------------------------------------------------------
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("tpu", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_one_rank_group_collectives_are_identities(one_rank_group):
+    assert dist.get_backend() == "tpu"
+    t = torch.arange(6.0, device="tpu")
+    dist.all_reduce(t)
+    torch.testing.assert_close(t.cpu(), torch.arange(6.0))
+    out = torch.empty(6, device="tpu")
+    dist.all_gather_into_tensor(out, t)
+    torch.testing.assert_close(out.cpu(), torch.arange(6.0))
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    torch.testing.assert_close(t.cpu(), torch.arange(6.0))
+    w = dist.all_reduce(t, async_op=True)
+    assert w.wait() and w.is_completed()
+    dist.barrier()
+
+
+def test_bad_collective_arguments_raise_and_leave_tensors_intact(one_rank_group):
+    t = torch.arange(4.0, device="tpu")
+    out = torch.zeros(3, device="tpu")
+    with pytest.raises(ValueError, match="all_gather_into_tensor"):
+        dist.all_gather_into_tensor(out, t)
+    with pytest.raises(ValueError, match="reduce_scatter_tensor"):
+        dist.reduce_scatter_tensor(out, t)
+    with pytest.raises(ValueError, match="tensors must all be on tpu"):
+        dist.all_gather([torch.zeros(4)], t)
+    assert torch.equal(out.cpu(), torch.zeros(3)) and torch.equal(t.cpu(), torch.arange(4.0))
+    # CPU tensors on a tpu group go to its gloo side.
+    c = torch.ones(3)
+    dist.all_reduce(c)
+    assert torch.equal(c, torch.ones(3))
