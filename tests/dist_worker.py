@@ -390,5 +390,7 @@ def scenario_never_joins():
 
 if __name__ == "__main__":
     name = sys.argv[1]
+    if os.environ.get("TORCHTPU_TEST_SET_DEVICE"):  # one process per device of a shared host
+        torch.tpu.set_device(int(os.environ["LOCAL_RANK"]))
     globals()[f"scenario_{name}"]()
     print(f"PASS {name} rank {os.environ.get('RANK')}", flush=True)

@@ -26,18 +26,22 @@ def _port():
         return s.getsockname()[1]
 
 
-def _env(rank, world, port):
+def _env(rank, world, port, devices_per_process):
     env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="1")
-    env.pop("XLA_FLAGS", None)  # one CPU device per process, as one chip per process
+    env.pop("XLA_FLAGS", None)  # by default one CPU device per process, as one chip per process
+    if devices_per_process > 1:  # every process sees all devices and picks tpu:LOCAL_RANK
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
+        env["TORCHTPU_TEST_SET_DEVICE"] = "1"
     return env
 
 
-def launch(scenario, world, ranks=None, timeout=240):
+def launch(scenario, world, ranks=None, timeout=240, devices_per_process=1):
     """Run `ranks` (default: all) of a `world`-rank job; returns {rank: (returncode, output)}."""
     port = _port()
-    procs = {r: subprocess.Popen([sys.executable, WORKER, scenario], env=_env(r, world, port),
+    procs = {r: subprocess.Popen([sys.executable, WORKER, scenario],
+                                 env=_env(r, world, port, devices_per_process),
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in (range(world) if ranks is None else ranks)}
     deadline = time.time() + timeout
@@ -69,6 +73,11 @@ def measures(out):
 @pytest.mark.parametrize("world", [2, 4])
 def test_collectives_match_gloo(world):
     assert_passed(launch("collectives", world), "collectives")
+
+
+def test_each_rank_on_tpu_local_rank_of_a_shared_host():
+    # Processes that see every device of the host, each using torch.tpu.set_device(LOCAL_RANK).
+    assert_passed(launch("dtensor", 2, devices_per_process=2), "dtensor")
 
 
 def test_ddp_and_fsdp2_train_like_one_process():

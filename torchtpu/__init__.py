@@ -35,8 +35,9 @@ def _install_kernels():
     from ._device import autocast, modules
     autocast.register(lib, fallback_lib)
     modules.install()
-    from ._device import storage
+    from ._device import current, storage
     storage.install()
+    current.install()
     fused.install()
     from ._compile import backend, cache
     backend.register()
