@@ -12,7 +12,7 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 
 import torchtpu  # noqa: F401
 
@@ -53,13 +53,13 @@ def scenario_collectives():
            "product": dist.ReduceOp.PRODUCT}
     for dtype in (torch.float32, torch.int64, torch.bfloat16, torch.float64):
         for name, op in ops.items():
-            c, t = pair(lambda: rand(5, 3, dtype=dtype))
+            c, t = pair(lambda dtype=dtype: rand(5, 3, dtype=dtype))
             dist.all_reduce(c, op=op)
             dist.all_reduce(t, op=op)
             close(t, c, **({"rtol": 3e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {}))
     for name in ("BAND", "BOR", "BXOR"):
         c, t = pair(lambda: rand(7, dtype=torch.int32))
-        both(lambda x: dist.all_reduce(x, op=getattr(dist.ReduceOp, name)), (c, t))
+        both(lambda x, name=name: dist.all_reduce(x, op=getattr(dist.ReduceOp, name)), (c, t))
         close(t, c)
     # AVG: gloo has none; it must equal SUM / world size.
     c, t = pair(lambda: rand(4, 4))
@@ -87,10 +87,10 @@ def scenario_collectives():
 
     for root in range(n):
         c, t = pair(lambda: rand(3, 2))
-        both(lambda x: dist.broadcast(x, src=root), (c, t))
+        both(lambda x, root=root: dist.broadcast(x, src=root), (c, t))
         close(t, c)
         c, t = pair(lambda: rand(4))
-        both(lambda x: dist.reduce(x, dst=root), (c, t))
+        both(lambda x, root=root: dist.reduce(x, dst=root), (c, t))
         if r == root:
             close(t, c)
 
@@ -101,7 +101,7 @@ def scenario_collectives():
     for a, b in zip(outs[1], outs[0]):
         close(a, b)
     for dtype in (torch.float32, torch.int64, torch.bool):
-        c, t = pair(lambda: rand(3, 2, dtype=dtype))
+        c, t = pair(lambda dtype=dtype: rand(3, 2, dtype=dtype))
         oc, ot = torch.empty(3 * n, 2, dtype=dtype), torch.empty(3 * n, 2, dtype=dtype, device="tpu")
         dist.all_gather_into_tensor(oc, c)
         dist.all_gather_into_tensor(ot, t)
@@ -286,7 +286,10 @@ def scenario_training():
 # --- DTensor and distributed checkpointing ----------------------------------------------------
 def scenario_dtensor():
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        set_model_state_dict,
+    )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor

@@ -84,7 +84,7 @@ def test_ddp_and_fsdp2_train_like_one_process():
     results = launch("training", 2)
     assert_passed(results, "training")
     # FSDP2 keeps about 1/N of the parameters on each rank.
-    for r, (_, out) in results.items():
+    for _, out in results.values():
         (m,) = [m for m in measures(out) if m.startswith("fsdp_param_bytes")]
         full, local = (int(x) for x in re.findall(r"full=(\d+) local=(\d+)", m)[0])
         assert local <= full / 2 * 1.1, m
@@ -127,7 +127,7 @@ def test_torchrun_launches_unchanged_script():
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("XLA_FLAGS", None)
     out = subprocess.run([torchrun, "--nproc-per-node", "2", "--standalone", WORKER, "dtensor"],
-                         env=env, capture_output=True, text=True, timeout=240)
+                         env=env, capture_output=True, text=True, timeout=240, check=False)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-6000:]
     assert "PASS dtensor rank 0" in text and "PASS dtensor rank 1" in text, text[-3000:]

@@ -16,6 +16,7 @@ import datetime
 import hashlib
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -102,11 +103,15 @@ def _assign(out, array):
     autograd record and no version bump."""
     buf = storage.buffer_of(out)
     jdtype = to_jax_dtype(out.dtype)
+    if array.dtype != jdtype:
+        array = array.astype(jdtype)
+    if array.shape != tuple(out.shape):
+        array = array.reshape(out.shape)
     if (out.storage_offset() == 0 and out.is_contiguous() and buf.dtype == jdtype
             and buf.nbytes == out.numel() * out.element_size() and not buf.from_bytes):
-        buf.array = array.astype(jdtype).reshape(out.shape)
+        buf.array = array
         return
-    src = storage.wrap(array.astype(jdtype).reshape(out.shape), tuple(out.shape),
+    src = storage.wrap(array, tuple(out.shape),
                        storage.contiguous_strides(out.shape), out.dtype, out.device.index)
     with torch._C._AutoDispatchBelowADInplaceOrView():
         out.copy_(src)
@@ -145,6 +150,8 @@ class ProcessGroupTPU(dist.ProcessGroup):
         self._global_ranks = list(global_ranks) if global_ranks else list(range(size))
         self._name = group_name
         self._broken = None
+        self._signatures = {}
+        self._expected = None
         self._cpu = dist.ProcessGroupGloo(
             dist.PrefixStore("torchtpu-gloo/", store), rank, size, timeout)
         if not global_ranks:  # the default (world) group starts JAX's multi-process runtime
@@ -182,18 +189,45 @@ class ProcessGroupTPU(dist.ProcessGroup):
         return self._name
 
     # --- running programs ---------------------------------------------------------------
+    def _expect(self, kind, static, dtype, shape):
+        """Declare the call about to run; the next `_run` first checks that every rank made
+        the same one (in the same job on the collectives thread, so it costs one handoff)."""
+        if not _check_enabled() or self._size == 1:
+            return
+        sig = _signature(kind, static, dtype, shape)
+        key = sig.tobytes()
+        mine = self._signatures.get(key)
+        if mine is None:  # device copies of recurring signatures: no transfer per call
+            mine = self._signatures[key] = jax.device_put(
+                sig, runtime.jax_device(runtime.current_device()))
+        self._expected = (sig, mine)
+
     def _run(self, kind, static, local):
+        """This rank's block of collective `kind` on its block `local` (see programs.py)."""
         if self._broken is not None:
             raise dist.DistBackendError(
                 f"ProcessGroupTPU: the group is unusable after an earlier failure: {self._broken}")
+        expected, self._expected = self._expected, None
         ids = self._device_ids
         mesh = programs.mesh_of(ids)
         fn = programs.program(kind, static, ids)
         metrics.counters[f"collective::{kind}"] += 1
         metrics.counters["collective_bytes"] += local.size * local.dtype.itemsize
-        job = _executor.submit(lambda: fn(programs.as_global(mesh, local)))
+        scalar = local.ndim == 0
+        if scalar:
+            local = local.reshape(1)
+
+        def job():
+            if expected is not None:
+                check = programs.program("all_gather", None, ids)
+                rows = np.asarray(programs.local_block(check(programs.as_global(mesh, expected[1]))))
+                rows = rows.reshape(self._size, -1)
+                if any(not np.array_equal(row, expected[0]) for row in rows):
+                    return rows
+            return fn(programs.as_global(mesh, local))
+
         try:
-            out = job.result(self._timeout.total_seconds())
+            out = _executor.submit(job).result(self._timeout.total_seconds())
         except concurrent.futures.TimeoutError:
             self._broken = (f"{kind} timed out after {self._timeout} on rank {self._rank} "
                             "(another rank is gone, stuck, or called a different collective)")
@@ -202,21 +236,14 @@ class ProcessGroupTPU(dist.ProcessGroup):
             self._broken = f"{kind} failed on rank {self._rank}: {e}"
             raise dist.DistBackendError(
                 f"ProcessGroupTPU: {self._broken} (did another rank exit?)") from e
-        return programs.local_row(out)
-
-    def _check(self, kind, static, dtype, shape):
-        """All ranks must be making the same call; compare before moving data."""
-        if not _check_enabled() or self._size == 1:
-            return
-        sig = _signature(kind, static, dtype, shape)
-        mine = jnp.asarray(sig, device=runtime.jax_device(runtime.current_device()))
-        rows = np.asarray(self._run("all_gather", None, mine))
-        if any(not np.array_equal(row, sig) for row in rows):
-            calls = "; ".join(f"rank {r}: {_describe(row)}" for r, row in enumerate(rows))
+        if isinstance(out, np.ndarray):  # the ranks' signatures differ
+            calls = "; ".join(f"rank {r}: {_describe(row)}" for r, row in enumerate(out))
             raise RuntimeError(
                 f"ProcessGroupTPU: ranks disagree on a collective call ({calls}); every rank "
                 "must call the same collectives in the same order with tensors of the same "
                 "shape and dtype")
+        out = programs.local_block(out)
+        return out.reshape(()) if scalar else out
 
     def _values(self, tensors):
         fused.flush("collective")
@@ -250,7 +277,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         op = _reduce_op(opts, "allreduce")
         arrays = []
         for t, v in zip(tensors, self._values(tensors)):
-            self._check("all_reduce", op, t.dtype, t.shape)
+            self._expect("all_reduce", op, t.dtype, t.shape)
             out = self._run("all_reduce", op, v)
             _assign(t, out)
             arrays.append(out)
@@ -264,7 +291,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
             return self._cpu_group().reduce(tensors, opts)
         op = _reduce_op(opts, "reduce")
         (t,), (v,) = tensors, self._values(tensors)
-        self._check("reduce", (op, opts.rootRank), t.dtype, t.shape)
+        self._expect("reduce", (op, opts.rootRank), t.dtype, t.shape)
         out = self._run("all_reduce", op, v)
         if self._rank == opts.rootRank:
             _assign(t, out)
@@ -275,7 +302,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
             return self._cpu_group().broadcast(tensors, opts)
         t = tensors[opts.rootTensor]
         (v,) = self._values([t])
-        self._check("broadcast", opts.rootRank, t.dtype, t.shape)
+        self._expect("broadcast", opts.rootRank, t.dtype, t.shape)
         out = self._run("broadcast", opts.rootRank, v)
         if self._rank != opts.rootRank:
             _assign(t, out)
@@ -284,7 +311,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
     def barrier(self, opts):
         fused.flush("collective")
         one = jnp.ones((1,), jnp.int32, device=runtime.jax_device(runtime.current_device()))
-        self._check("barrier", None, torch.int32, (1,))
+        self._expect("barrier", None, torch.int32, (1,))
         out = self._run("all_reduce", "sum", one)
         out.block_until_ready()
         return self._done([], [out])
@@ -292,8 +319,9 @@ class ProcessGroupTPU(dist.ProcessGroup):
     # --- gathers ------------------------------------------------------------------------
     def _gather_rows(self, kind, t, static=None):
         (v,) = self._values([t])
-        self._check(kind, static, t.dtype, t.shape)
-        return self._run("all_gather", None, v)  # (n, *shape)
+        self._expect(kind, static, t.dtype, t.shape)
+        rows = self._run("all_gather", None, v)  # (n * shape[0], ...)
+        return rows.reshape(self._size, *t.shape)
 
     def allgather(self, output_tensors, input_tensors, opts):
         if self._route(input_tensors + [o for out in output_tensors for o in out],
@@ -321,8 +349,10 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 "ProcessGroupTPU::all_gather_into_tensor: output tensor must have "
                 f"{self._size} times the input's elements and the same dtype, got output "
                 f"{tuple(output.shape)} {output.dtype} and input {tuple(input.shape)} {input.dtype}")
-        rows = self._gather_rows("all_gather", input, "into_tensor")
-        _assign(output, rows.reshape(output.shape))
+        (v,) = self._values([input])
+        self._expect("all_gather", "into_tensor", input.dtype, input.shape)
+        rows = self._run("all_gather", None, v)
+        _assign(output, rows)
         return self._done([output], [rows])
 
     _allgather_base = all_gather_single
@@ -351,7 +381,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
     # --- scatters -----------------------------------------------------------------------
     def _reduce_scatter_rows(self, stacked, op):
         """stacked: (n, m) -- row j is this rank's contribution to rank j's result."""
-        return self._run("reduce_scatter", op, stacked)[0]
+        return self._run("reduce_scatter", op, stacked)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts):
         if self._route(output_tensors + [i for ins in input_tensors for i in ins],
@@ -364,7 +394,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 raise RuntimeError(f"ProcessGroupTPU::reduce_scatter: expected {self._size} "
                                    f"input tensors, got {len(ins)}")
             vals = self._values(ins)
-            self._check("reduce_scatter", op, out.dtype, out.shape)
+            self._expect("reduce_scatter", op, out.dtype, out.shape)
             res = self._reduce_scatter_rows(jnp.stack([v.reshape(-1) for v in vals]), op)
             _assign(out, res.reshape(out.shape))
             arrays.append(res)
@@ -380,8 +410,10 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 f"{tuple(input.shape)} {input.dtype} and output {tuple(output.shape)} {output.dtype}")
         op = _reduce_op(opts, "reduce_scatter_tensor")
         (v,) = self._values([input])
-        self._check("reduce_scatter", (op, "tensor"), input.dtype, input.shape)
-        res = self._reduce_scatter_rows(v.reshape(self._size, -1), op)
+        self._expect("reduce_scatter", (op, "tensor"), input.dtype, input.shape)
+        if input.dim() == 0 or input.shape[0] % self._size:
+            v = v.reshape(self._size, -1)
+        res = self._reduce_scatter_rows(v, op)
         _assign(output, res.reshape(output.shape))
         return self._done([output], [res])
 
@@ -398,7 +430,6 @@ class ProcessGroupTPU(dist.ProcessGroup):
                        "scatter") == "cpu":
             return self._cpu_group().scatter(output_tensors, input_tensors, opts)
         (out,) = output_tensors
-        self._check("scatter", opts.rootRank, out.dtype, out.shape)
         if self._rank == opts.rootRank:
             ins = input_tensors[0]
             if len(ins) != self._size:
@@ -409,6 +440,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
             fused.flush("collective")
             stacked = jnp.zeros((self._size, *out.shape), to_jax_dtype(out.dtype),
                                 device=runtime.jax_device(out.device.index))
+        self._expect("scatter", opts.rootRank, out.dtype, out.shape)
         received = self._run("all_to_all", None, stacked)  # row j: what rank j sent me
         _assign(out, received[opts.rootRank])
         return self._done([out], [received])
@@ -428,8 +460,8 @@ class ProcessGroupTPU(dist.ProcessGroup):
                     "ProcessGroupTPU::all_to_all_single: without split sizes, input and output "
                     f"must have the same shape with dim 0 divisible by {n}, got input "
                     f"{tuple(input.shape)} and output {tuple(output.shape)}")
-            self._check("all_to_all", None, input.dtype, input.shape)
-            res = self._run("all_to_all", None, v.reshape(n, -1, *rest))
+            self._expect("all_to_all", None, input.dtype, input.shape)
+            res = self._run("all_to_all", None, v)
             _assign(output, res.reshape(output.shape))
             return self._done([output], [res])
         ins = list(input_split_sizes) or [input.shape[0] // n] * n
@@ -439,11 +471,11 @@ class ProcessGroupTPU(dist.ProcessGroup):
             raise ValueError("ProcessGroupTPU::all_to_all_single: split sizes do not match the "
                              f"tensors: input {tuple(input.shape)} split {ins}, output "
                              f"{tuple(output.shape)} split {outs}")
-        self._check("all_to_all_uneven", None, input.dtype, rest)
+        self._expect("all_to_all_uneven", None, input.dtype, rest)
         # Every rank learns every split, pads its chunks to the largest one, and exchanges
         # equal-sized chunks; the padding is cut off on arrival.
-        splits = np.asarray(self._run("all_gather", None, jnp.asarray(
-            np.asarray(ins, np.int64), device=runtime.jax_device(input.device.index))))
+        splits = np.asarray(self._run("all_gather", None, jax.device_put(
+            np.asarray(ins, np.int64), runtime.jax_device(input.device.index)))).reshape(n, n)
         if list(splits[:, self._rank]) != outs:
             raise RuntimeError(
                 f"ProcessGroupTPU::all_to_all_single: rank {self._rank} expects chunks of "
@@ -453,7 +485,8 @@ class ProcessGroupTPU(dist.ProcessGroup):
         padded = jnp.stack([jnp.pad(v[starts[j]:starts[j + 1]],
                                     [(0, chunk - ins[j])] + [(0, 0)] * len(rest))
                             for j in range(n)])
-        res = self._run("all_to_all", None, padded)
+        res = self._run("all_to_all", None, padded.reshape(n * chunk, *rest)).reshape(
+            n, chunk, *rest)
         _assign(output, jnp.concatenate([res[j, :outs[j]] for j in range(n)]))
         return self._done([output], [res])
 

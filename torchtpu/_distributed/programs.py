@@ -1,7 +1,7 @@
 """The collectives as JAX programs over a mesh of the group's devices (one device per rank).
 
-Each program takes the group's *global* array — rank r's tensor is row r, laid out on rank r's
-device — and is a `shard_map` whose body sees one row. XLA turns the `lax` collectives into
+Each program takes the group's *global* array — rank r's tensor is the r-th block along dim 0,
+laid out on rank r's device — and is a `shard_map` whose body sees one block. XLA turns the `lax` collectives into
 ICI/DCN transfers on TPU, NCCL on GPU and gloo on the CPU. Programs are cached per (kind,
 static arguments, mesh); `jax.jit` caches the compiled executable per shape and dtype.
 """
@@ -24,14 +24,15 @@ def mesh_of(device_ids):
 
 
 def as_global(mesh, local):
-    """Rank-local array (on this rank's device) -> the group's global array, one row per rank."""
+    """Rank-local array (on this rank's device) -> the group's global array, whose dim-0 blocks
+    are the ranks' arrays. The local array is used as it is: no reshape to dispatch."""
     n = mesh.devices.size
     return jax.make_array_from_single_device_arrays(
-        (n, *local.shape), NamedSharding(mesh, P(AXIS)), [local[None]])
+        (n * local.shape[0], *local.shape[1:]), NamedSharding(mesh, P(AXIS)), [local])
 
 
-def local_row(global_array):
-    return global_array.addressable_data(0)[0]
+def local_block(global_array):
+    return global_array.addressable_data(0)
 
 
 def _reduce_rows(rows, op):
@@ -73,28 +74,23 @@ def _all_reduce_row(x, op):
 
 
 def _body(kind, static, x):
-    """One rank's part of collective `kind`; `x` is its row (leading axis of size 1)."""
-    x = x[0]
+    """One rank's part of collective `kind` on its block `x` (dim 0 is the ranks' axis)."""
     if kind == "all_reduce":
-        out = _all_reduce_row(x, static)
-    elif kind == "broadcast":  # static: the root's index in the group
-        out = lax.all_gather(x, AXIS)[static]
-    elif kind == "all_gather":  # (n, *shape)
-        out = lax.all_gather(x, AXIS)
-    elif kind == "reduce_scatter":  # x: (n * k, ...) -> (k, ...)
+        return _all_reduce_row(x, static)
+    if kind == "broadcast":  # static: the root's index in the group
+        return lax.all_gather(x, AXIS)[static]
+    if kind == "all_gather":  # (n * k, ...): the ranks' blocks in rank order
+        return lax.all_gather(x, AXIS, tiled=True)
+    if kind == "reduce_scatter":  # x: (n * k, ...) -> rank j gets the reduced j-th (k, ...)
         if static in ("sum", "avg") and x.dtype != jnp.bool_:
             out = lax.psum_scatter(x, AXIS, scatter_dimension=0, tiled=True)
-            if static == "avg":
-                out = (out / lax.axis_size(AXIS)).astype(x.dtype)
-        else:
-            n = lax.axis_size(AXIS)
-            chunks = x.reshape(n, x.shape[0] // n, *x.shape[1:])
-            out = _reduce_rows(lax.all_to_all(chunks, AXIS, 0, 0), static).astype(x.dtype)
-    elif kind == "all_to_all":  # x: (n, k, ...): chunk j goes to rank j
-        out = lax.all_to_all(x, AXIS, 0, 0)
-    else:
-        raise ValueError(kind)
-    return out[None]
+            return out if static == "sum" else (out / lax.axis_size(AXIS)).astype(x.dtype)
+        n = lax.axis_size(AXIS)
+        chunks = x.reshape(n, x.shape[0] // n, *x.shape[1:])
+        return _reduce_rows(lax.all_to_all(chunks, AXIS, 0, 0), static).astype(x.dtype)
+    if kind == "all_to_all":  # x: (n * k, ...): the j-th (k, ...) goes to rank j
+        return lax.all_to_all(x, AXIS, 0, 0, tiled=True)
+    raise ValueError(kind)
 
 
 @functools.cache
