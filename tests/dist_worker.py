@@ -261,6 +261,12 @@ def scenario_training():
 
     ddp = DDP(make_model().to("tpu"))
     check_losses(train_sharded(ddp, data, r, n), want, "DDP")
+    if r == 0:  # rank-divergent Python: an extra evaluation and logging on rank 0 only
+        with torch.no_grad():
+            print(f"eval loss {loss_of(ddp.module, data[0].to('tpu')).item():.4f}", flush=True)
+    flag = torch.tensor([float(r)], device="tpu")
+    dist.all_reduce(flag)  # the ranks still agree on the next collective
+    assert flag.item() == n * (n - 1) / 2
 
     for reshard in (True, False):
         model = make_model().to("tpu")

@@ -208,6 +208,8 @@ class ProcessGroupTPU(dist.ProcessGroup):
             raise dist.DistBackendError(
                 f"ProcessGroupTPU: the group is unusable after an earlier failure: {self._broken}")
         expected, self._expected = self._expected, None
+        if self._size == 1:  # every collective of one rank's block is that block
+            return local
         ids = self._device_ids
         mesh = programs.mesh_of(ids)
         fn = programs.program(kind, static, ids)
