@@ -26,8 +26,8 @@ def _port():
         return s.getsockname()[1]
 
 
-def _env(rank, world, port, devices_per_process):
-    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+def _env(rank, world, port, devices_per_process, extra):
+    env = dict(os.environ, **extra, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="1")
     env.pop("XLA_FLAGS", None)  # by default one CPU device per process, as one chip per process
@@ -37,11 +37,11 @@ def _env(rank, world, port, devices_per_process):
     return env
 
 
-def launch(scenario, world, ranks=None, timeout=240, devices_per_process=1):
+def launch(scenario, world, ranks=None, timeout=240, devices_per_process=1, env=None):
     """Run `ranks` (default: all) of a `world`-rank job; returns {rank: (returncode, output)}."""
     port = _port()
     procs = {r: subprocess.Popen([sys.executable, WORKER, scenario],
-                                 env=_env(r, world, port, devices_per_process),
+                                 env=_env(r, world, port, devices_per_process, env or {}),
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in (range(world) if ranks is None else ranks)}
     deadline = time.time() + timeout
@@ -80,8 +80,9 @@ def test_each_rank_on_tpu_local_rank_of_a_shared_host():
     assert_passed(launch("dtensor", 2, devices_per_process=2), "dtensor")
 
 
-def test_ddp_and_fsdp2_train_like_one_process():
-    results = launch("training", 2)
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_ddp_and_fsdp2_train_like_one_process(mode):
+    results = launch("training", 2, env={"TORCH_TPU_DEFER_AND_FUSE": "1"} if mode == "fused" else {})
     assert_passed(results, "training")
     # FSDP2 keeps about 1/N of the parameters on each rank.
     for _, out in results.values():
