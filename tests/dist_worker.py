@@ -176,6 +176,15 @@ def scenario_collectives():
         c, t = pair(lambda: rand(5))
         both(lambda x: dist.all_reduce(x, group=evens), (c, t))
         close(t, c)
+    if n == 4:  # the groups of a 2-D DeviceMesh's dimensions
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("tpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        for dim in ("dp", "tp"):
+            group = mesh.get_group(dim)
+            x = torch.full((3,), float(r), device="tpu")
+            dist.all_reduce(x, group=group)
+            expect = float(sum(dist.get_process_group_ranks(group)))
+            assert torch.equal(x.cpu(), torch.full((3,), expect)), (dim, x.cpu(), expect)
     dist.barrier()
     # Object collectives ride the CPU side.
     objs = [None] * n
