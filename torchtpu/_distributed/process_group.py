@@ -2,8 +2,9 @@
 
 Each collective takes the JAX arrays of its tpu tensors, makes them one global array over the
 group's devices (one per rank), runs the cached collective program (`programs.py`) and writes the
-results back into the output tensors. CPU tensors given to a tpu group go to the group's own gloo side, so object collectives and
-`"cpu:gloo,tpu:tpu"` work; so do point-to-point sends (see `send`).
+results back into the output tensors. CPU tensors given to a tpu group go to the group's own
+gloo side, so object collectives and `"cpu:gloo,tpu:tpu"` work; so do point-to-point sends (see
+`send`).
 
 Collectives are matched by call order, as in PyTorch. Before the data moves, the ranks compare a
 small signature of the call (collective, reduce op, root, dtype, shape): a rank that calls a
@@ -147,7 +148,6 @@ class ProcessGroupTPU(dist.ProcessGroup):
         self._rank = rank
         self._size = size
         self._timeout = timeout
-        self._global_ranks = list(global_ranks) if global_ranks else list(range(size))
         self._name = group_name
         self._broken = None
         self._signatures = {}
@@ -222,8 +222,8 @@ class ProcessGroupTPU(dist.ProcessGroup):
         def job():
             if expected is not None:
                 check = programs.program("all_gather", None, ids)
-                rows = np.asarray(programs.local_block(check(programs.as_global(mesh, expected[1]))))
-                rows = rows.reshape(self._size, -1)
+                signatures = check(programs.as_global(mesh, expected[1]))
+                rows = np.asarray(programs.local_block(signatures)).reshape(self._size, -1)
                 if any(not np.array_equal(row, expected[0]) for row in rows):
                     return rows
             return fn(programs.as_global(mesh, local))

@@ -1,9 +1,9 @@
 """The collectives as JAX programs over a mesh of the group's devices (one device per rank).
 
 Each program takes the group's *global* array — rank r's tensor is the r-th block along dim 0,
-laid out on rank r's device — and is a `shard_map` whose body sees one block. XLA turns the `lax` collectives into
-ICI/DCN transfers on TPU, NCCL on GPU and gloo on the CPU. Programs are cached per (kind,
-static arguments, mesh); `jax.jit` caches the compiled executable per shape and dtype.
+laid out on rank r's device — and is a `shard_map` whose body sees one block. XLA turns the
+`lax` collectives into ICI/DCN transfers on TPU, NCCL on GPU and gloo on the CPU. Programs are
+cached per (kind, static arguments, mesh); `jax.jit` caches the executable per shape and dtype.
 """
 import functools
 
