@@ -106,3 +106,36 @@ def multinomial(key, probs, num_samples, replacement=False, generator=None):
         return jnp.moveaxis(draws, 0, -1).astype(jnp.int64)
     gumbel = jax.random.gumbel(key, logits.shape)
     return jnp.argsort(-(logits + gumbel), axis=-1)[..., :num_samples].astype(jnp.int64)
+
+
+@lowering("aten::normal.Tensor_Tensor", random=True)
+def normal_tensor_tensor(key, mean, std, generator=None):
+    shape = jnp.broadcast_shapes(mean.shape, std.shape)
+    return jax.random.normal(key, shape, jnp.float32) * std + mean
+
+
+@lowering("aten::normal.Tensor_float", random=True)
+def normal_tensor_float(key, mean, std=1.0, generator=None):
+    return jax.random.normal(key, mean.shape, jnp.float32) * std + mean
+
+
+@lowering("aten::normal.float_Tensor", random=True)
+def normal_float_tensor(key, mean, std, generator=None):
+    return jax.random.normal(key, std.shape, jnp.float32) * std + mean
+
+
+@lowering("aten::cauchy_.default", random=True)
+def cauchy_(key, x, median=0.0, sigma=1.0, generator=None):
+    return (jax.random.cauchy(key, x.shape, jnp.float32) * sigma + median).astype(x.dtype)
+
+
+@lowering("aten::log_normal_.default", random=True)
+def log_normal_(key, x, mean=1.0, std=2.0, generator=None):
+    return jnp.exp(jax.random.normal(key, x.shape, jnp.float32) * std + mean).astype(x.dtype)
+
+
+@lowering("aten::geometric_.default", random=True)
+def geometric_(key, x, p, generator=None):
+    # The number of Bernoulli(p) trials up to the first success: ceil(log(U) / log(1 - p)).
+    u = jax.random.uniform(key, x.shape, jnp.float32, jnp.finfo(jnp.float32).tiny, 1.0)
+    return jnp.maximum(jnp.ceil(jnp.log(u) / jnp.log1p(-p)), 1).astype(x.dtype)

@@ -187,3 +187,32 @@ def register(lib):
     for op in ops:
         lib.impl(op, _transposed_like_pytorch(op), "PrivateUse1")
     return ops
+
+
+@lowering("aten::linalg_lu.default")
+def linalg_lu(a, pivot=True):
+    if not pivot:
+        raise NotImplementedError("linalg.lu(pivot=False) has no tpu lowering (PyTorch only "
+                                  "implements it on CUDA)")
+    lu, piv, _ = _lu(a)
+    return lu_unpack(lu, piv)
+
+
+@lowering("aten::geqrf.default")
+def geqrf(a):
+    from jax._src.lax.linalg import geqrf as lapack_geqrf  # LAPACK's geqrf; not public in jax.lax
+    return lapack_geqrf(a)
+
+
+@lowering("aten::cholesky_inverse.default")
+def cholesky_inverse(factor, upper=False):
+    eye = jnp.broadcast_to(jnp.eye(factor.shape[-1], dtype=factor.dtype), factor.shape)
+    return jsl.cho_solve((factor, not upper), eye)
+
+
+@lowering("aten::_cholesky_solve_helper.default")
+def cholesky_solve_helper(b, factor, upper):
+    batch = jnp.broadcast_shapes(b.shape[:-2], factor.shape[:-2])
+    b = jnp.broadcast_to(b, batch + b.shape[-2:])
+    factor = jnp.broadcast_to(factor, batch + factor.shape[-2:])
+    return jsl.cho_solve((factor, not upper), b)

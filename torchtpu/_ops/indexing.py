@@ -157,3 +157,73 @@ def nonzero(x):
 def masked_select(x, mask):
     x, mask = jnp.broadcast_arrays(x, mask)
     return x[mask]
+
+
+@lowering("aten::index_reduce.default")
+def index_reduce(x, dim, index, source, reduce, include_self=True):
+    if x.ndim == 0:
+        x, source = x.reshape(1), source.reshape(1)
+        out = index_reduce(x, 0, index, source, reduce, include_self)
+        return out.reshape(())
+    dim = dim % x.ndim
+    check_index(index, x.shape[dim], "index out of range in self")
+    idx = (slice(None),) * dim + (_wrap(index, x.shape[dim]),)
+    src = source if source.ndim else source.reshape(1)
+    hit = jnp.zeros(x.shape[dim], bool).at[_wrap(index, x.shape[dim])].set(True)
+    hit = hit.reshape((-1,) + (1,) * (x.ndim - dim - 1))
+    if reduce == "mean":
+        count = jnp.zeros(x.shape[dim], x.dtype).at[_wrap(index, x.shape[dim])].add(1)
+        count = count.reshape((-1,) + (1,) * (x.ndim - dim - 1))
+        base = x if include_self else jnp.where(hit, 0, x)
+        total = base.at[idx].add(src)
+        count = count + 1 if include_self else jnp.maximum(count, 1)
+        out = total / count
+        if jnp.issubdtype(x.dtype, jnp.integer):
+            out = jnp.floor_divide(total, count)
+        return out.astype(x.dtype)
+    if reduce == "prod":
+        base = x if include_self else jnp.where(hit, 1, x)
+        return base.at[idx].multiply(src)
+    if reduce in ("amax", "amin"):
+        fill = (jnp.finfo(x.dtype).min if reduce == "amax" else jnp.finfo(x.dtype).max) \
+            if jnp.issubdtype(x.dtype, jnp.floating) else \
+            (jnp.iinfo(x.dtype).min if reduce == "amax" else jnp.iinfo(x.dtype).max)
+        base = x if include_self else jnp.where(hit, fill, x)
+        return base.at[idx].max(src) if reduce == "amax" else base.at[idx].min(src)
+    raise RuntimeError(f"index_reduce(): Expected reduce to be one of prod, mean, amax or "
+                       f"amin but got {reduce}.")
+
+
+def _searchsorted(seq, values, right, side, sorter):
+    side = side or ("right" if right else "left")
+    if sorter is not None:
+        seq = jnp.take_along_axis(seq, sorter, axis=-1)
+    if values.size == 0:
+        return jnp.zeros(values.shape, jnp.int64)
+    if seq.shape[-1] == 0:
+        return jnp.zeros(values.shape, jnp.int64)
+    if seq.ndim <= 1:
+        return jnp.searchsorted(seq, values, side=side)
+    lead = seq.shape[:-1]
+    find = jnp.vectorize(lambda s, v: jnp.searchsorted(s, v, side=side), signature="(n),(m)->(m)")
+    return find(seq, values.reshape(lead + (-1,))).reshape(values.shape)
+
+
+@lowering("aten::searchsorted.Tensor")
+def searchsorted(seq, values, out_int32=False, right=False, side=None, sorter=None):
+    return _searchsorted(seq, values, right, side, sorter)
+
+
+@lowering("aten::searchsorted.Scalar")
+def searchsorted_scalar(seq, value, out_int32=False, right=False, side=None, sorter=None):
+    return _searchsorted(seq, jnp.asarray(value, seq.dtype), right, side, sorter)
+
+
+@lowering("aten::nonzero_static.default")
+def nonzero_static(x, size, fill_value=-1):
+    if x.ndim == 0:
+        return jnp.zeros((size, 0), jnp.int64)
+    if x.size == 0:  # JAX would pad with zeros here
+        return jnp.full((size, x.ndim), fill_value, jnp.int64)
+    found = jnp.nonzero(x, size=size, fill_value=fill_value)
+    return jnp.stack(found, axis=1).astype(jnp.int64)

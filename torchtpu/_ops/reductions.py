@@ -189,3 +189,94 @@ def vector_norm(x, ord=2, dim=None, keepdim=False, dtype=None):
     if ord == 2:
         return jnp.sqrt(jnp.sum(ax * ax, axis=axis, keepdims=keepdim))
     return jnp.sum(ax ** ord, axis=axis, keepdims=keepdim) ** (1.0 / ord)
+
+
+# --- running extremes and medians: NaN wins, as in PyTorch's CPU kernels ----------------------
+def _running_extreme(x, dim, later_wins):
+    from jax import lax
+    if x.ndim == 0:
+        return x, jnp.zeros((), jnp.int64)
+    dim = dim % x.ndim
+    index = lax.broadcasted_iota(jnp.int64, x.shape, dim)
+
+    def combine(a, b):
+        (av, ai), (bv, bi) = a, b
+        take_b = ~jnp.isnan(av) & (jnp.isnan(bv) | later_wins(bv, av))
+        return jnp.where(take_b, bv, av), jnp.where(take_b, bi, ai)
+
+    return lax.associative_scan(combine, (x, index), axis=dim)
+
+
+@lowering("aten::cummax.default")
+def cummax(x, dim):
+    return _running_extreme(x, dim, jnp.greater_equal)
+
+
+@lowering("aten::cummin.default")
+def cummin(x, dim):
+    return _running_extreme(x, dim, jnp.less_equal)
+
+
+@lowering("aten::_logcumsumexp.default")
+def logcumsumexp(x, dim):
+    from jax import lax
+    if x.ndim == 0:
+        return x
+    return lax.cumlogsumexp(x, axis=dim % x.ndim)
+
+
+def _median(x, dim, ignore_nan):
+    """Lower median along `dim` and its index. `median` returns the first NaN when there is one;
+    `nanmedian` skips NaNs (NaN only when all are)."""
+    order = jnp.argsort(x, axis=dim, stable=True)  # NaNs sort last
+    ranked = jnp.take_along_axis(x, order, axis=dim)
+    nans = jnp.isnan(x)
+    if ignore_nan:
+        count = jnp.sum(~nans, axis=dim, keepdims=True)
+        k = jnp.maximum((count - 1) // 2, 0)
+    else:
+        k = jnp.full((1,) * x.ndim, (x.shape[dim] - 1) // 2)
+    value = jnp.take_along_axis(ranked, k, axis=dim)
+    index = jnp.take_along_axis(order, k, axis=dim)
+    if not ignore_nan:
+        has_nan = jnp.any(nans, axis=dim, keepdims=True)
+        first_nan = jnp.argmax(nans, axis=dim, keepdims=True)
+        value = jnp.where(has_nan, jnp.nan, value).astype(x.dtype)
+        index = jnp.where(has_nan, first_nan, index)
+    return jnp.squeeze(value, dim), jnp.squeeze(index, dim).astype(jnp.int64)
+
+
+def _median_all(x, ignore_nan):
+    if x.size == 0:
+        return jnp.array(jnp.nan, x.dtype)
+    return _median(x.reshape(-1), 0, ignore_nan)[0]
+
+
+def _median_dim(x, dim, keepdim, ignore_nan):
+    if x.ndim == 0:
+        return x, jnp.zeros((), jnp.int64)
+    dim = dim % x.ndim
+    value, index = _median(x, dim, ignore_nan)
+    if keepdim:
+        value, index = jnp.expand_dims(value, dim), jnp.expand_dims(index, dim)
+    return value, index
+
+
+@lowering("aten::median.default")
+def median(x):
+    return _median_all(x, ignore_nan=False)
+
+
+@lowering("aten::nanmedian.default")
+def nanmedian(x):
+    return _median_all(x, ignore_nan=True)
+
+
+@lowering("aten::median.dim")
+def median_dim(x, dim, keepdim=False):
+    return _median_dim(x, dim, keepdim, ignore_nan=False)
+
+
+@lowering("aten::nanmedian.dim")
+def nanmedian_dim(x, dim, keepdim=False):
+    return _median_dim(x, dim, keepdim, ignore_nan=True)

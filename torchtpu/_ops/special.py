@@ -1,6 +1,8 @@
 """Special functions (torch.special.*, i0, polygamma, igamma, sinc, logit...).
 
 Half-precision inputs are computed in float32 and rounded once, as PyTorch's CPU kernels do."""
+import math
+
 import jax.numpy as jnp
 import jax.scipy.special as jss
 from jax import lax
@@ -91,3 +93,46 @@ def nextafter(x, y):
 @lowering("aten::conj_physical.default")
 def conj_physical(x):
     return jnp.conj(x)
+
+
+@lowering("aten::polygamma.default")
+@_wide
+def polygamma(n, x):
+    if n == 0:
+        return jss.digamma(x)
+    # JAX's polygamma is only accurate for x > 0. Below 1, use
+    # psi_n(x) = psi_n(x + 1) + (-1)^(n+1) n! / x^(n+1) until x >= 1, as PyTorch's zeta does.
+    sign = (-1) ** (n + 1) * math.factorial(n)
+
+    def low(xs):
+        return (xs < 1) & jnp.isfinite(xs)
+
+    def step(carry):
+        xs, acc = carry
+        below = low(xs)
+        acc = acc + jnp.where(below, jnp.where(below, xs, 1.0) ** -(n + 1), 0)
+        return jnp.where(below, xs + 1, xs), acc
+
+    xs, acc = lax.while_loop(lambda c: jnp.any(low(c[0])), step, (x, jnp.zeros_like(x)))
+    return jss.polygamma(n, xs) + sign * acc
+
+
+@lowering("aten::angle.default")
+def angle(x):
+    if jnp.iscomplexobj(x):
+        return jnp.angle(x)
+    x = x.astype(jnp.result_type(x, jnp.float32)) if not jnp.issubdtype(x.dtype, jnp.floating) else x
+    return jnp.where(jnp.isnan(x), x, jnp.where(x < 0, jnp.pi, 0).astype(x.dtype))
+
+
+@lowering("aten::frexp.Tensor")
+def frexp(x):
+    mantissa, exponent = jnp.frexp(x)
+    return mantissa, exponent.astype(jnp.int32)
+
+
+for _name, _fn in {
+    "special_modified_bessel_i0": jss.i0, "special_modified_bessel_i1": jss.i1,
+    "special_spherical_bessel_j0": lambda x: jnp.where(x == 0, 1.0, jnp.sin(x) / jnp.where(x == 0, 1.0, x)),
+}.items():
+    _unary(_name, _fn)

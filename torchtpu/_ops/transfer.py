@@ -144,9 +144,23 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None,
         non_blocking=non_blocking, memory_format=memory_format)
 
 
+def _equal(self, other):
+    # A bool on the host, like PyTorch's kernels: same sizes and every element equal (NaN never is).
+    if self.device != other.device:
+        raise RuntimeError(f"Expected all tensors to be on the same device, but found at least "
+                           f"two devices, {self.device} and {other.device}!")
+    if self.dtype != other.dtype:
+        raise RuntimeError(f"Expected object of scalar type {self.dtype} but got scalar type "
+                           f"{other.dtype} for argument 'other'")
+    if self.shape != other.shape:
+        return False
+    return bool(torch.eq(self, other).all().item())
+
+
 def register(lib):
     lib.impl(aten._pin_memory.default, _pin_memory, "CPU")
     lib.impl(aten._to_copy.default, _to_copy, "PrivateUse1")
     lib.impl(aten.copy_.default, _copy_, "PrivateUse1")
     lib.impl(aten._local_scalar_dense.default, _local_scalar_dense, "PrivateUse1")
+    lib.impl(aten.equal.default, _equal, "PrivateUse1")
     lib.impl(aten.resize_.default, _resize_, "PrivateUse1")
