@@ -7,6 +7,8 @@ from .registry import lowering
 
 @lowering("aten::arange.start_step", "aten::arange.start_out", static=("start", "end", "step"))
 def arange(start, end, step=1, dtype=None, layout=None, device=None, pin_memory=None):
+    # Boolean bounds count as integers (XLA has no boolean iota); the output takes the op's dtype.
+    start, end, step = (int(v) if isinstance(v, bool) else v for v in (start, end, step))
     return jnp.arange(start, end, step)
 
 

@@ -6,10 +6,21 @@ import numpy as np
 from .registry import check, lowering
 
 
-def check_index(idx, size, message="index out of range"):
+def _torch_dtype_name(dtype):
+    from .._device.dtypes import to_torch_dtype
+    return str(to_torch_dtype(dtype)).replace("torch.", "")
+
+
+def check_index(idx, size, message="index out of range", exc_type=IndexError):
     idx = jnp.asarray(idx)
     if idx.size:
-        check(jnp.all((idx >= -size) & (idx < size)), message, IndexError)
+        check(jnp.all((idx >= -size) & (idx < size)), message, exc_type)
+
+
+def _check_scatter_index(idx, x, dim):
+    # gather/scatter raise RuntimeError on the CPU (index_select & co. raise IndexError)
+    check_index(idx, x.shape[dim], f"index is out of bounds for dimension {dim} with size "
+                f"{x.shape[dim]}", RuntimeError)
 
 
 def _wrap(idx, size):
@@ -27,10 +38,12 @@ def index_select(x, dim, index):
 
 @lowering("aten::gather.default")
 def gather(x, dim, index, sparse_grad=False):
+    if index.size == 0:
+        return jnp.zeros(index.shape, x.dtype)
     if x.ndim == 0:
         return x.reshape(index.shape)
     dim = dim % x.ndim
-    check_index(index, x.shape[dim], "index out of bounds")
+    _check_scatter_index(index, x, dim)
     # take_along_axis needs matching sizes on the other dims; PyTorch allows index to be smaller
     sl = tuple(slice(0, n) if d != dim else slice(None) for d, n in enumerate(index.shape))
     return jnp.take_along_axis(x[sl], _wrap(index, x.shape[dim]), axis=dim)
@@ -45,9 +58,11 @@ def _scatter_indices(x, dim, index):
 
 @lowering("aten::scatter.src", "aten::scatter.value")
 def scatter(x, dim, index, src):
+    if index.size == 0:  # PyTorch allows any empty index, even of another rank
+        return x
     if x.ndim == 0:
         return jnp.asarray(src, x.dtype).reshape(()) if jnp.ndim(src) == 0 else src.reshape(())
-    check_index(index, x.shape[dim], "index out of bounds")
+    _check_scatter_index(index, x, dim)
     if jnp.ndim(src) > 0:
         src = src[tuple(slice(0, n) for n in index.shape)]
     return x.at[_scatter_indices(x, dim, index)].set(src)
@@ -55,16 +70,22 @@ def scatter(x, dim, index, src):
 
 @lowering("aten::scatter_add.default")
 def scatter_add(x, dim, index, src):
+    if index.size == 0:
+        return x
     if x.ndim == 0:
         return x + src.reshape(())
-    check_index(index, x.shape[dim], "index out of bounds")
+    _check_scatter_index(index, x, dim)
     src = src[tuple(slice(0, n) for n in index.shape)]
     return x.at[_scatter_indices(x, dim, index)].add(src)
 
 
 @lowering("aten::scatter_reduce.two")
 def scatter_reduce(x, dim, index, src, reduce, include_self=True):
-    check_index(index, x.shape[dim], "index out of bounds")
+    if x.ndim == 0:
+        out = scatter_reduce(x.reshape(1), 0, index.reshape(-1), jnp.reshape(src, -1), reduce,
+                             include_self)
+        return out.reshape(())
+    _check_scatter_index(index, x, dim)
     src = src[tuple(slice(0, n) for n in index.shape)]
     idx = _scatter_indices(x, dim, index)
     if reduce == "sum":
@@ -139,8 +160,15 @@ lowering("aten::_index_put_impl_.default")(index_put)
 
 @lowering("aten::masked_scatter.default", eager=True)
 def masked_scatter(x, mask, source):
-    mask = jnp.broadcast_to(mask, x.shape)
+    if mask.dtype != jnp.bool_:
+        raise RuntimeError(f"masked_scatter_ only supports boolean masks, but got mask with "
+                           f"dtype {_torch_dtype_name(mask.dtype)}")
+    shape = jnp.broadcast_shapes(x.shape, mask.shape)
+    x, mask = jnp.broadcast_to(x, shape), jnp.broadcast_to(mask, shape)
     n = int(jnp.sum(mask))
+    if n > source.size:
+        raise RuntimeError("masked_scatter: expected source to have at least as many elements "
+                           f"as ones in mask, but got {source.size} elements and {n} ones")
     flat = x.reshape(-1).at[jnp.nonzero(mask.reshape(-1))[0]].set(source.reshape(-1)[:n])
     return flat.reshape(x.shape)
 
@@ -227,3 +255,21 @@ def nonzero_static(x, size, fill_value=-1):
         return jnp.full((size, x.ndim), fill_value, jnp.int64)
     found = jnp.nonzero(x, size=size, fill_value=fill_value)
     return jnp.stack(found, axis=1).astype(jnp.int64)
+
+
+@lowering("aten::put.default")
+def put(x, index, source, accumulate=False):
+    check_index(index, max(x.size, 1), "out of range: tried to access index")
+    flat = x.reshape(-1)
+    idx = _wrap(index.reshape(-1), x.size)
+    src = jnp.reshape(source, -1).astype(x.dtype)
+    flat = flat.at[idx].add(src) if accumulate else flat.at[idx].set(src)
+    return flat.reshape(x.shape)
+
+
+@lowering("aten::take.default")
+def take(x, index):
+    check_index(index, max(x.size, 1) if x.size else 0, "out of range: tried to access index")
+    if x.size == 0:
+        return jnp.zeros(index.shape, x.dtype)
+    return x.reshape(-1)[_wrap(index, x.size)]

@@ -52,6 +52,8 @@ def prod_all(x, dtype=None):
 
 @lowering("aten::prod.dim_int")
 def prod_dim(x, dim, keepdim=False, dtype=None):
+    if x.ndim == 0:
+        return x.astype(_acc_dtype(x, dtype))
     return jnp.prod(x.astype(_acc_dtype(x, dtype)), axis=dim, keepdims=keepdim)
 
 
