@@ -33,6 +33,9 @@ OPS = {
     "frexp": (F32, False),
     "angle": (F32, True),
     "normal": (F32, False),
+    "special.chebyshev_polynomial_u": (F32, False),
+    "special.shifted_chebyshev_polynomial_v": (F32, False),
+    "special.laguerre_polynomial_l": (F32, False),
     # reductions and scans
     "sum": (INT, True),
     "mean": (F32, True),
