@@ -65,6 +65,9 @@ OPS = {
     "index_reduce.amax": (F32, True),
     "searchsorted": (INT, False),
     "nonzero_static": (INT, False),
+    "bucketize": (INT, False),
+    "histc": (F32, False),
+    "repeat_interleave": (F32, True),
     "equal": (INT, False),
     # matmul, linalg, fft
     "addmm": (F32, True),
@@ -86,6 +89,8 @@ OPS = {
     "nn.functional.interpolate.bilinear": (F32, False),
     "nn.functional.cross_entropy": (F32, True),
     "nn.functional.hardswish": (F32, True),
+    "nn.functional.smooth_l1_loss": (F32, True),
+    "nn.functional.huber_loss": (F32, True),
 }
 
 

@@ -273,3 +273,40 @@ def take(x, index):
     if x.size == 0:
         return jnp.zeros(index.shape, x.dtype)
     return x.reshape(-1)[_wrap(index, x.size)]
+
+
+@lowering("aten::bucketize.Tensor")
+def bucketize(x, boundaries, out_int32=False, right=False):
+    if boundaries.ndim != 1:
+        raise RuntimeError(f"boundaries tensor must be 1 dimension, but got dim({boundaries.ndim})")
+    return _searchsorted(boundaries, x, right, None, None)
+
+
+@lowering("aten::bucketize.Scalar")
+def bucketize_scalar(x, boundaries, out_int32=False, right=False):
+    return _searchsorted(boundaries, jnp.asarray(x, boundaries.dtype), right, None, None)
+
+
+@lowering("aten::histc.default")
+def histc(x, bins=100, min=0, max=0):
+    x = x.reshape(-1)
+    lo, hi = jnp.asarray(min, x.dtype), jnp.asarray(max, x.dtype)
+    # min == max means: the data's own range (and a unit-wide one if that is empty, too)
+    data = lo == hi
+    lo = jnp.where(data, jnp.min(x, initial=jnp.inf) if x.size else 0, lo)
+    hi = jnp.where(data, jnp.max(x, initial=-jnp.inf) if x.size else 0, hi)
+    lo, hi = jnp.where(lo == hi, lo - 1, lo), jnp.where(lo == hi, hi + 1, hi)
+    inside = (x >= lo) & (x <= hi)
+    pos = ((x - lo) * bins / (hi - lo)).astype(jnp.int64)
+    pos = jnp.clip(jnp.where(x == hi, bins - 1, pos), 0, bins - 1)
+    return jnp.zeros(bins, x.dtype).at[pos].add(inside.astype(x.dtype))
+
+
+@lowering("aten::repeat_interleave.Tensor", eager=True)
+def repeat_interleave(repeats, output_size=None):
+    repeats = repeats.reshape(-1)
+    if repeats.size and bool(jnp.any(repeats < 0)):
+        raise RuntimeError("repeats can not be negative")
+    total = int(jnp.sum(repeats)) if output_size is None else output_size
+    return jnp.repeat(jnp.arange(repeats.size, dtype=jnp.int64), repeats,
+                      total_repeat_length=total)

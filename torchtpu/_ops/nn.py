@@ -222,3 +222,26 @@ def mse_loss_backward(grad, x, y, reduction):
     return grad * scale * (x - y)
 
 
+
+
+def _pointwise_loss_backward(grad, x, y, reduction, derivative):
+    """The gradient of a pointwise loss w.r.t. its input: `derivative(x - y)` times the incoming
+    gradient (a scalar unless reduction is 'none'), divided by the count for 'mean'."""
+    d = derivative(x - y)
+    scale = 1.0 / x.size if reduction == 1 else 1.0
+    return (grad * scale * d).astype(x.dtype)
+
+
+@lowering("aten::smooth_l1_loss_backward.default")
+def smooth_l1_loss_backward(grad, x, y, reduction, beta):
+    if beta == 0:
+        return _pointwise_loss_backward(grad, x, y, reduction, jnp.sign)
+    return _pointwise_loss_backward(
+        grad, x, y, reduction, lambda d: jnp.where(jnp.abs(d) < beta, d / beta, jnp.sign(d)))
+
+
+@lowering("aten::huber_loss_backward.default")
+def huber_loss_backward(grad, x, y, reduction, delta):
+    return _pointwise_loss_backward(
+        grad, x, y, reduction,
+        lambda d: jnp.where(jnp.abs(d) <= delta, d, delta * jnp.sign(d)))
