@@ -66,6 +66,8 @@ OPS = {
     "searchsorted": (INT, False),
     "nonzero_static": (INT, False),
     "bucketize": (INT, False),
+    "unique": (INT, False),
+    "unique_consecutive": (INT, False),
     "histc": (F32, False),
     "repeat_interleave": (F32, True),
     "equal": (INT, False),

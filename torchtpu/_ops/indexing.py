@@ -310,3 +310,50 @@ def repeat_interleave(repeats, output_size=None):
     total = int(jnp.sum(repeats)) if output_size is None else output_size
     return jnp.repeat(jnp.arange(repeats.size, dtype=jnp.int64), repeats,
                       total_repeat_length=total)
+
+
+_NONE = np.zeros((0,), np.int64)
+
+
+@lowering("aten::_unique2.default", eager=True)
+def unique(x, sorted=True, return_inverse=False, return_counts=False):
+    # Sorted either way, as PyTorch's CPU kernel does; unrequested outputs are empty.
+    values, inverse, counts = jnp.unique(x.reshape(-1), return_inverse=True, return_counts=True)
+    return (values, inverse.reshape(x.shape).astype(jnp.int64) if return_inverse else _NONE,
+            counts.astype(jnp.int64) if return_counts else _NONE)
+
+
+@lowering("aten::unique_consecutive.default", eager=True)
+def unique_consecutive(x, return_inverse=False, return_counts=False, dim=None):
+    if dim is None:
+        rows, shape = x.reshape(-1, 1), x.shape
+    else:
+        dim = dim % max(x.ndim, 1)
+        moved = jnp.moveaxis(x, dim, 0) if x.ndim else x.reshape(1)
+        rows = moved.reshape(moved.shape[0], int(np.prod(moved.shape[1:], dtype=np.int64)))
+        shape = (moved.shape[0],) if x.ndim else ()
+    n = rows.shape[0]
+    starts = jnp.concatenate([jnp.ones((min(n, 1),), bool), jnp.any(rows[1:] != rows[:-1], axis=1)])
+    first = jnp.nonzero(starts)[0]
+    if dim is None:
+        values = rows[first, 0]
+    else:
+        values = jnp.moveaxis(moved[first], 0, dim)
+    inverse = (jnp.cumsum(starts) - 1).astype(jnp.int64).reshape(shape)
+    counts = jnp.diff(jnp.concatenate([first, jnp.array([n])])).astype(jnp.int64)
+    return (values, inverse if return_inverse else _NONE, counts if return_counts else _NONE)
+
+
+@lowering("aten::unique_dim.default", eager=True)
+def unique_dim(x, dim, sorted=True, return_inverse=False, return_counts=False):
+    dim = dim % max(x.ndim, 1)
+    moved = jnp.moveaxis(x, dim, 0)
+    rows = moved.reshape(moved.shape[0], int(np.prod(moved.shape[1:], dtype=np.int64)))
+    if rows.shape[0] == 0:
+        return x, jnp.zeros((0,), jnp.int64), jnp.zeros((0,), jnp.int64)
+    # Rows in lexicographic order, as PyTorch's unique_dim sorts them.
+    _, first, inverse, counts = jnp.unique(rows, axis=0, return_index=True,
+                                           return_inverse=True, return_counts=True)
+    values = jnp.moveaxis(moved[first], 0, dim)
+    return (values, jnp.asarray(inverse.reshape(-1), jnp.int64) if return_inverse else _NONE,
+            jnp.asarray(counts, jnp.int64) if return_counts else _NONE)
