@@ -93,6 +93,8 @@ OPS = {
     "nn.functional.hardswish": (F32, True),
     "nn.functional.smooth_l1_loss": (F32, True),
     "nn.functional.huber_loss": (F32, True),
+    "cdist": (F32, True),
+    "nn.functional.pdist": (F32, True),
 }
 
 
