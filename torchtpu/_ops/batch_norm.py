@@ -110,7 +110,17 @@ def _with_update(x, weight, bias, running_mean, running_var, training, momentum,
     return out, mean, invstd
 
 
+def _batch_norm_with_update(x, weight, bias, running_mean, running_var, momentum, eps):
+    # The training-mode batch norm nn.BatchNorm uses since PyTorch 2.3; `reserve` is cuDNN's
+    # workspace, empty elsewhere.
+    out, mean, invstd = _with_update(x, weight, bias, running_mean, running_var, True,
+                                     momentum, eps)
+    return out, mean, invstd, x.new_empty((0,), dtype=torch.uint8)
+
+
 def register(lib):
     lib.impl(aten.native_batch_norm.default, _with_update, "PrivateUse1")
     lib.impl(aten._native_batch_norm_legit.default, _with_update, "PrivateUse1")
-    return {aten.native_batch_norm.default, aten._native_batch_norm_legit.default}
+    lib.impl(aten._batch_norm_with_update.default, _batch_norm_with_update, "PrivateUse1")
+    return {aten.native_batch_norm.default, aten._native_batch_norm_legit.default,
+            aten._batch_norm_with_update.default}

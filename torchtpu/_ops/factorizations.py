@@ -216,3 +216,15 @@ def cholesky_solve_helper(b, factor, upper):
     b = jnp.broadcast_to(b, batch + b.shape[-2:])
     factor = jnp.broadcast_to(factor, batch + factor.shape[-2:])
     return jsl.cho_solve((factor, not upper), b)
+
+
+@lowering("aten::linalg_eig.default")
+def linalg_eig(a):
+    # LAPACK's geev, like PyTorch's CPU kernel (XLA implements it on CPU and GPU, not on TPU).
+    return jnp.linalg.eig(a)
+
+
+@lowering("aten::linalg_householder_product.default")
+def linalg_householder_product(a, tau):
+    from jax._src.lax.linalg import householder_product  # LAPACK's orgqr; not public in jax.lax
+    return householder_product(a, tau)

@@ -282,3 +282,28 @@ def median_dim(x, dim, keepdim=False):
 @lowering("aten::nanmedian.dim")
 def nanmedian_dim(x, dim, keepdim=False):
     return _median_dim(x, dim, keepdim, ignore_nan=True)
+
+
+@lowering("aten::mode.default")
+def mode(x, dim=-1, keepdim=False):
+    """The most frequent value (the smallest among equally frequent ones) and the last index
+    where it occurs, as PyTorch's CPU kernel sorts (value, index) pairs and scans the runs."""
+    from jax import lax
+    if x.ndim == 0:
+        return x, jnp.zeros((), jnp.int64)
+    dim = dim % x.ndim
+    moved = jnp.moveaxis(x, dim, -1)
+    order = jnp.argsort(moved, axis=-1, stable=True)
+    ranked = jnp.take_along_axis(moved, order, axis=-1)
+    position = lax.broadcasted_iota(jnp.int64, ranked.shape, ranked.ndim - 1)
+    differs = ranked[..., 1:] != ranked[..., :-1]
+    starts = jnp.concatenate([jnp.ones(ranked.shape[:-1] + (1,), bool), differs], axis=-1)
+    ends = jnp.concatenate([differs, jnp.ones(ranked.shape[:-1] + (1,), bool)], axis=-1)
+    run_start = lax.cummax(jnp.where(starts, position, 0), axis=ranked.ndim - 1)
+    length = jnp.where(ends, position - run_start + 1, 0)
+    best = jnp.argmax(length, axis=-1, keepdims=True)
+    value = jnp.take_along_axis(ranked, best, axis=-1)[..., 0]
+    index = jnp.take_along_axis(order, best, axis=-1)[..., 0].astype(jnp.int64)
+    if keepdim:
+        value, index = jnp.expand_dims(value, dim), jnp.expand_dims(index, dim)
+    return value, index
