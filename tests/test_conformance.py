@@ -98,6 +98,8 @@ OPS = {
     "nn.functional.smooth_l1_loss": (F32, True),
     "nn.functional.huber_loss": (F32, True),
     "cdist": (F32, True),
+    "grid_sampler_2d": (F32, True),
+    "grid_sampler_3d": (F32, True),
     "nn.functional.pdist": (F32, True),
 }
 

@@ -2,6 +2,7 @@
 jax.vjp where PyTorch's formula is just the derivative)."""
 import jax
 import numpy as np
+import torch
 import jax.numpy as jnp
 from jax import lax
 
@@ -297,3 +298,85 @@ def pdist_forward(x, p=2.0):
 @lowering("aten::_pdist_backward.default")
 def pdist_backward(grad, x, p, pdist):
     return jax.vjp(lambda a: _pdist(a, p), x)[1](grad)[0]
+
+
+@lowering("aten::grid_sampler_2d_backward.default")
+def grid_sampler_2d_backward(grad, x, grid, interpolation_mode, padding_mode, align_corners,
+                             output_mask):
+    # The gradient of the forward lowering (PyTorch's decomposition of grid_sampler_2d).
+    from .registry import TABLE
+    forward = TABLE[torch.ops.aten.grid_sampler_2d.default].fn
+    _, pullback = jax.vjp(
+        lambda a, g: forward(a, g, interpolation_mode, padding_mode, align_corners), x, grid)
+    grad_x, grad_grid = pullback(grad.astype(x.dtype))
+    return (grad_x if output_mask[0] else None), (grad_grid if output_mask[1] else None)
+
+
+# --- grid_sampler_3d: PyTorch's coordinate rules (unnormalise, pad, then interpolate) ----------
+def _unnormalize(coord, size, align_corners):
+    if align_corners:
+        return (coord + 1) / 2 * (size - 1)
+    return ((coord + 1) * size - 1) / 2
+
+
+def _reflect(coord, twice_low, twice_high):
+    if twice_low == twice_high:
+        return jnp.zeros_like(coord)
+    low, span = twice_low / 2, (twice_high - twice_low) / 2
+    distance = jnp.abs(coord - low)
+    extra = jnp.fmod(distance, span)
+    flips = jnp.floor(distance / span)
+    return jnp.where(flips % 2 == 0, extra + low, span - extra + low)
+
+
+def _source_index(coord, size, padding_mode, align_corners):
+    coord = _unnormalize(coord, size, align_corners)
+    if padding_mode == 1:  # border
+        coord = jnp.clip(coord, 0, size - 1)
+    elif padding_mode == 2:  # reflection
+        coord = _reflect(coord, 0, 2 * (size - 1)) if align_corners else \
+            _reflect(coord, -1, 2 * size - 1)
+        coord = jnp.clip(coord, 0, size - 1)
+    return coord
+
+
+@lowering("aten::grid_sampler_3d.default")
+def grid_sampler_3d(x, grid, interpolation_mode, padding_mode, align_corners):
+    if interpolation_mode not in (0, 1):
+        raise RuntimeError("grid_sampler(): bicubic interpolation only supports 4D input")
+    d, h, w = x.shape[2:]
+    ix = _source_index(grid[..., 0], w, padding_mode, align_corners)
+    iy = _source_index(grid[..., 1], h, padding_mode, align_corners)
+    iz = _source_index(grid[..., 2], d, padding_mode, align_corners)
+
+    def corner(vol, z, y, xx):  # vol: (C, D, H, W); z, y, xx: int (Do, Ho, Wo)
+        ok = (z >= 0) & (z < d) & (y >= 0) & (y < h) & (xx >= 0) & (xx < w)
+        v = vol[:, jnp.clip(z, 0, d - 1), jnp.clip(y, 0, h - 1), jnp.clip(xx, 0, w - 1)]
+        return jnp.where(ok, v, 0)
+
+    def sample(vol, z, y, xx):
+        if interpolation_mode == 1:  # nearest (round half to even, as nearbyint does)
+            return corner(vol, jnp.round(z).astype(jnp.int32), jnp.round(y).astype(jnp.int32),
+                          jnp.round(xx).astype(jnp.int32))
+        z0, y0, x0 = (jnp.floor(c) for c in (z, y, xx))
+        out = 0
+        for dz in (0, 1):
+            for dy in (0, 1):
+                for dx in (0, 1):
+                    weight = ((1 - jnp.abs(z - (z0 + dz))) * (1 - jnp.abs(y - (y0 + dy)))
+                              * (1 - jnp.abs(xx - (x0 + dx))))
+                    out = out + weight * corner(vol, (z0 + dz).astype(jnp.int32),
+                                                (y0 + dy).astype(jnp.int32),
+                                                (x0 + dx).astype(jnp.int32))
+        return out
+
+    return jax.vmap(sample)(x, iz, iy, ix).astype(x.dtype)
+
+
+@lowering("aten::grid_sampler_3d_backward.default")
+def grid_sampler_3d_backward(grad, x, grid, interpolation_mode, padding_mode, align_corners,
+                             output_mask):
+    _, pullback = jax.vjp(lambda a, g: grid_sampler_3d(a, g, interpolation_mode, padding_mode,
+                                                       align_corners), x, grid)
+    grad_x, grad_grid = pullback(grad.astype(x.dtype))
+    return (grad_x if output_mask[0] else None), (grad_grid if output_mask[1] else None)
