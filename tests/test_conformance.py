@@ -47,6 +47,7 @@ OPS = {
     "sort": (INT, True),
     "cummax": (INT, True),
     "mode": (F32, True),
+    "_segment_reduce.lengths": (F32, True),
     "median": (F32, True),
     "nanmedian": (F32, True),
     "logcumsumexp": (F32, False),

@@ -307,3 +307,68 @@ def mode(x, dim=-1, keepdim=False):
     if keepdim:
         value, index = jnp.expand_dims(value, dim), jnp.expand_dims(index, dim)
     return value, index
+
+
+# --- segment_reduce: reductions over consecutive segments of one axis -------------------------
+_SEGMENT_IDENTITY = {"max": -jnp.inf, "min": jnp.inf, "prod": 1.0, "sum": 0.0, "mean": 0.0}
+
+
+def _segment_reduce_1d(data, lengths, reduce, initial):
+    """data: (L, rest...), lengths: (S,) -> (S, rest...)."""
+    import jax
+    s = lengths.shape[0]
+    ends = jnp.cumsum(lengths)
+    ids = jnp.searchsorted(ends, jnp.arange(data.shape[0]), side="right")
+    start = jnp.asarray(_SEGMENT_IDENTITY[reduce] if initial is None else initial, data.dtype)
+    kind = "sum" if reduce == "mean" else reduce
+    if kind == "prod":
+        # Laid out densely (segments x longest possible segment, padded with 1s) so that the
+        # product has a gradient: JAX differentiates segment_prod only for unique indices.
+        where = jnp.arange(data.shape[0]) - (ends - lengths)[jnp.clip(ids, 0, s - 1)]
+        dense = jnp.ones((s, data.shape[0]) + data.shape[1:], data.dtype)
+        out = jnp.prod(dense.at[ids, where].set(data, mode="drop"), axis=1)
+    else:
+        fn = {"sum": jax.ops.segment_sum, "max": jax.ops.segment_max,
+              "min": jax.ops.segment_min}[kind]
+        out = fn(data, ids, num_segments=s)
+    filled = (lengths > 0).reshape((s,) + (1,) * (data.ndim - 1))
+    if kind == "sum":
+        out = out + start
+    elif kind == "prod":
+        out = out * start
+    else:
+        combine = jnp.maximum if kind == "max" else jnp.minimum
+        out = jnp.where(jnp.isnan(out), out, combine(out, start))
+    out = jnp.where(filled, out, start)
+    if reduce == "mean":
+        count = lengths.reshape(filled.shape).astype(data.dtype)
+        out = jnp.where(filled, out / jnp.where(filled, count, 1),
+                        jnp.nan if initial is None else out)
+    return out.astype(data.dtype)
+
+
+def _segment_reduce(data, reduce, lengths, offsets, axis, initial):
+    import jax
+    if lengths is None:
+        lengths = jnp.diff(offsets, axis=-1)
+    axis = axis % data.ndim
+    batch = data.shape[:axis]
+    flat = data.reshape((-1,) + data.shape[axis:]) if batch else data[None]
+    lens = lengths.reshape((-1, lengths.shape[-1]))
+    out = jax.vmap(lambda d, n: _segment_reduce_1d(d, n, reduce, initial))(flat, lens)
+    return out.reshape(batch + out.shape[1:])
+
+
+@lowering("aten::segment_reduce.default")
+def segment_reduce(data, reduce, lengths=None, indices=None, offsets=None, axis=0, unsafe=False,
+                   initial=None):
+    return _segment_reduce(data, reduce, lengths, offsets, axis, initial)
+
+
+@lowering("aten::_segment_reduce_backward.default")
+def segment_reduce_backward(grad, output, data, reduce, lengths=None, offsets=None, axis=0,
+                            initial=None):
+    import jax
+    _, pullback = jax.vjp(lambda d: _segment_reduce(d, reduce, lengths, offsets, axis, initial),
+                          data)
+    return pullback(grad.astype(data.dtype))[0]
