@@ -71,6 +71,7 @@ OPS = {
     "unique": (INT, False),
     "unique_consecutive": (INT, False),
     "histc": (F32, False),
+    "histogram": (F32, False),
     "repeat_interleave": (F32, True),
     "equal": (INT, False),
     # matmul, linalg, fft

@@ -357,3 +357,34 @@ def unique_dim(x, dim, sorted=True, return_inverse=False, return_counts=False):
     values = jnp.moveaxis(moved[first], 0, dim)
     return (values, jnp.asarray(inverse.reshape(-1), jnp.int64) if return_inverse else _NONE,
             jnp.asarray(counts, jnp.int64) if return_counts else _NONE)
+
+
+def _histogram(x, edges, weight, density):
+    bins = edges.shape[0] - 1
+    x = x.reshape(-1)
+    pos = jnp.searchsorted(edges, x, side="right") - 1
+    pos = jnp.where(x == edges[-1], bins - 1, pos)  # the last bin includes its right edge
+    inside = (x >= edges[0]) & (x <= edges[-1])
+    w = jnp.ones_like(x) if weight is None else weight.reshape(-1).astype(x.dtype)
+    hist = jnp.zeros(bins, x.dtype).at[jnp.clip(pos, 0, bins - 1)].add(jnp.where(inside, w, 0))
+    if density:
+        hist = hist / (jnp.sum(hist) * jnp.diff(edges))
+    return hist, edges
+
+
+@lowering("aten::histogram.bin_ct")
+def histogram(x, bins=100, range=None, weight=None, density=False):
+    if range is not None:
+        lo, hi = (jnp.asarray(v, x.dtype) for v in range)
+    elif x.size:
+        lo, hi = jnp.min(x), jnp.max(x)
+    else:  # no data: the unit interval, as PyTorch chooses
+        lo, hi = jnp.asarray(0, x.dtype), jnp.asarray(1, x.dtype)
+    lo, hi = jnp.where(lo == hi, lo - 0.5, lo), jnp.where(lo == hi, hi + 0.5, hi)
+    edges = jnp.linspace(lo, hi, bins + 1, dtype=x.dtype)
+    return _histogram(x, edges, weight, density)
+
+
+@lowering("aten::histogram.bins_tensor")
+def histogram_edges(x, bins, weight=None, density=False):
+    return _histogram(x, bins.astype(x.dtype), weight, density)

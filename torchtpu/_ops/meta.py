@@ -18,3 +18,15 @@ def _geqrf(a):
 
 _lib.impl("_logcumsumexp", _logcumsumexp, "Meta")
 _lib.impl("geqrf", _geqrf, "Meta")
+
+
+def _histogram_bin_ct(x, bins=100, *, range=None, weight=None, density=False):
+    return x.new_empty((bins,)), x.new_empty((bins + 1,))
+
+
+def _histogram_bins_tensor(x, bins, *, weight=None, density=False):
+    return x.new_empty((bins.numel() - 1,)), x.new_empty(bins.shape)
+
+
+_lib.impl("histogram.bin_ct", _histogram_bin_ct, "Meta")
+_lib.impl("histogram.bins_tensor", _histogram_bins_tensor, "Meta")
