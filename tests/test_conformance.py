@@ -72,6 +72,7 @@ OPS = {
     "unique_consecutive": (INT, False),
     "histc": (F32, False),
     "histogram": (F32, False),
+    "histogramdd": (F32, False),
     "repeat_interleave": (F32, True),
     "equal": (INT, False),
     # matmul, linalg, fft

@@ -372,17 +372,69 @@ def _histogram(x, edges, weight, density):
     return hist, edges
 
 
+def _bin_edges(points, bins, range):
+    """Per dimension of `points` (N, D): `bins[d] + 1` evenly spaced edges over `range` (pairs,
+    flattened) or the data's extent (widened by 0.5 when it is one point, [0, 1] when empty)."""
+    edges = []
+    for d, n in enumerate(bins):
+        if range is not None:
+            lo, hi = (jnp.asarray(v, points.dtype) for v in range[2 * d:2 * d + 2])
+        elif points.shape[0]:
+            lo, hi = jnp.min(points[:, d]), jnp.max(points[:, d])
+        else:
+            lo, hi = jnp.asarray(0, points.dtype), jnp.asarray(1, points.dtype)
+        lo, hi = jnp.where(lo == hi, lo - 0.5, lo), jnp.where(lo == hi, hi + 0.5, hi)
+        edges.append(jnp.linspace(lo, hi, n + 1, dtype=points.dtype))
+    return edges
+
+
+def _histogramdd(points, edges, weight, density):
+    flat = jnp.zeros((), jnp.int64)
+    inside = jnp.ones(points.shape[0], bool)
+    sizes = [e.shape[0] - 1 for e in edges]
+    for d, e in enumerate(edges):
+        x = points[:, d]
+        pos = jnp.searchsorted(e, x, side="right") - 1
+        pos = jnp.clip(jnp.where(x == e[-1], sizes[d] - 1, pos), 0, max(sizes[d] - 1, 0))
+        inside = inside & (x >= e[0]) & (x <= e[-1])
+        flat = flat * sizes[d] + pos
+    w = jnp.ones(points.shape[0], points.dtype) if weight is None else \
+        weight.reshape(-1).astype(points.dtype)
+    hist = jnp.zeros(int(np.prod(sizes)), points.dtype).at[flat].add(jnp.where(inside, w, 0))
+    hist = hist.reshape(sizes)
+    if density:
+        widths = jnp.ones(sizes, points.dtype)
+        for d, e in enumerate(edges):
+            widths = widths * jnp.diff(e).reshape([-1 if i == d else 1 for i in range(len(sizes))])
+        hist = hist / (jnp.sum(hist) * widths)
+    return hist
+
+
 @lowering("aten::histogram.bin_ct")
 def histogram(x, bins=100, range=None, weight=None, density=False):
-    if range is not None:
-        lo, hi = (jnp.asarray(v, x.dtype) for v in range)
-    elif x.size:
-        lo, hi = jnp.min(x), jnp.max(x)
-    else:  # no data: the unit interval, as PyTorch chooses
-        lo, hi = jnp.asarray(0, x.dtype), jnp.asarray(1, x.dtype)
-    lo, hi = jnp.where(lo == hi, lo - 0.5, lo), jnp.where(lo == hi, hi + 0.5, hi)
-    edges = jnp.linspace(lo, hi, bins + 1, dtype=x.dtype)
+    (edges,) = _bin_edges(x.reshape(-1, 1), [bins], range)
     return _histogram(x, edges, weight, density)
+
+
+def _points(x):
+    return x.reshape(-1, x.shape[-1])
+
+
+@lowering("aten::_histogramdd_bin_edges.default")
+def histogramdd_bin_edges(x, bins, range=None, weight=None, density=False):
+    return _bin_edges(_points(x), bins, range)
+
+
+@lowering("aten::_histogramdd_from_bin_cts.default")
+def histogramdd_from_bin_cts(x, bins, range=None, weight=None, density=False):
+    points = _points(x)
+    return _histogramdd(points, _bin_edges(points, bins, range), weight, density)
+
+
+@lowering("aten::_histogramdd_from_bin_tensors.default")
+def histogramdd_from_bin_tensors(x, bins, weight=None, density=False):
+    points = _points(x)
+    return _histogramdd(points, [b.astype(points.dtype) for b in bins], weight, density)
 
 
 @lowering("aten::histogram.bins_tensor")

@@ -30,3 +30,30 @@ def _histogram_bins_tensor(x, bins, *, weight=None, density=False):
 
 _lib.impl("histogram.bin_ct", _histogram_bin_ct, "Meta")
 _lib.impl("histogram.bins_tensor", _histogram_bins_tensor, "Meta")
+
+
+def _check_histogramdd(x, bins):
+    if len(bins) != x.shape[-1]:
+        raise RuntimeError(f"histogramdd: The size of bins must be equal to the innermost "
+                           f"dimension of the input. Got {len(bins)} bins and {x.shape[-1]} "
+                           "dimensions.")
+
+
+def _histogramdd_bin_edges(x, bins, *, range=None, weight=None, density=False):
+    _check_histogramdd(x, bins)
+    return [x.new_empty((n + 1,)) for n in bins]
+
+
+def _histogramdd_from_bin_cts(x, bins, *, range=None, weight=None, density=False):
+    _check_histogramdd(x, bins)
+    return x.new_empty(tuple(bins))
+
+
+def _histogramdd_from_bin_tensors(x, bins, *, weight=None, density=False):
+    _check_histogramdd(x, bins)
+    return x.new_empty(tuple(b.numel() - 1 for b in bins))
+
+
+_lib.impl("_histogramdd_bin_edges", _histogramdd_bin_edges, "Meta")
+_lib.impl("_histogramdd_from_bin_cts", _histogramdd_from_bin_cts, "Meta")
+_lib.impl("_histogramdd_from_bin_tensors", _histogramdd_from_bin_tensors, "Meta")
