@@ -104,6 +104,7 @@ OPS = {
     "grid_sampler_2d": (F32, True),
     "grid_sampler_3d": (F32, True),
     "nn.functional.pdist": (F32, True),
+    "nn.functional.embedding_bag": (F32, True),
 }
 
 
