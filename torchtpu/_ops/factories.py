@@ -141,3 +141,17 @@ def geometric_(key, x, p, generator=None):
     # The number of Bernoulli(p) trials up to the first success: ceil(log(U) / log(1 - p)).
     u = jax.random.uniform(key, x.shape, jnp.float32, jnp.finfo(jnp.float32).tiny, 1.0)
     return jnp.maximum(jnp.ceil(jnp.log(u) / jnp.log1p(-p)), 1).astype(x.dtype)
+
+
+@lowering("aten::logspace.default", static=("start", "end", "base"))
+def logspace(start, end, steps, base=10.0, dtype=None, layout=None, device=None,
+             pin_memory=None):
+    # Like PyTorch: the exponents are evenly spaced, then base ** exponent (in float64 here
+    # so that integer outputs truncate the exact powers).
+    exponents = jnp.linspace(start, end, steps, dtype=jnp.float64)
+    return jnp.power(jnp.float64(base), exponents)
+
+
+@lowering("aten::_efficientzerotensor.default")
+def efficient_zero_tensor(size, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.zeros(tuple(size))

@@ -228,3 +228,20 @@ def linalg_eig(a):
 def linalg_householder_product(a, tau):
     from jax._src.lax.linalg import householder_product  # LAPACK's orgqr; not public in jax.lax
     return householder_product(a, tau)
+
+
+@lowering("aten::ormqr.default")
+def ormqr(a, tau, other, left=True, transpose=False):
+    """other multiplied by the Q of geqrf's reflectors: the full Q is the Householder product
+    of the reflectors padded to a square matrix (a zero tau is an identity reflector)."""
+    from jax._src.lax.linalg import householder_product
+    m = a.shape[-2]
+    batch = jnp.broadcast_shapes(a.shape[:-2], tau.shape[:-1], other.shape[:-2])
+    square = jnp.zeros(batch + (m, m), a.dtype).at[..., :, :a.shape[-1]].set(
+        jnp.broadcast_to(a, batch + a.shape[-2:])[..., :, :m])
+    taus = jnp.zeros(batch + (m,), a.dtype).at[..., :tau.shape[-1]].set(
+        jnp.broadcast_to(tau, batch + tau.shape[-1:]))
+    q = householder_product(square, taus)
+    if transpose:
+        q = jnp.conj(jnp.swapaxes(q, -1, -2))
+    return q @ other if left else other @ q

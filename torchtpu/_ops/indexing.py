@@ -440,3 +440,9 @@ def histogramdd_from_bin_tensors(x, bins, weight=None, density=False):
 @lowering("aten::histogram.bins_tensor")
 def histogram_edges(x, bins, weight=None, density=False):
     return _histogram(x, bins.astype(x.dtype), weight, density)
+
+
+@lowering("aten::_unique.default", eager=True)
+def unique_legacy(x, sorted=True, return_inverse=False):
+    values, inverse, _ = unique(x, sorted, return_inverse, False)
+    return values, inverse

@@ -57,3 +57,38 @@ def _histogramdd_from_bin_tensors(x, bins, *, weight=None, density=False):
 _lib.impl("_histogramdd_bin_edges", _histogramdd_bin_edges, "Meta")
 _lib.impl("_histogramdd_from_bin_cts", _histogramdd_from_bin_cts, "Meta")
 _lib.impl("_histogramdd_from_bin_tensors", _histogramdd_from_bin_tensors, "Meta")
+
+
+def _like_self(grad, x, *args, **kwargs):
+    return torch.empty_like(x)
+
+
+_lib.impl("multi_margin_loss_backward", _like_self, "Meta")
+_lib.impl("multilabel_margin_loss_backward", _like_self, "Meta")
+
+
+_FLOATS = (torch.float16, torch.float32, torch.float64)
+_COMPLEX_OF = {torch.float16: torch.complex32, torch.float32: torch.complex64,
+               torch.float64: torch.complex128}
+
+
+def _complex(real, imag):
+    # PyTorch's own meta kernel asserts; its device kernels raise these RuntimeErrors.
+    if real.dtype not in _FLOATS or imag.dtype not in _FLOATS:
+        raise RuntimeError(f"Expected both inputs to be Half, Float or Double tensors but got "
+                           f"{_name(real.dtype)} and {_name(imag.dtype)}")
+    if real.dtype != imag.dtype:
+        raise RuntimeError(f"Expected object of scalar type {_name(real.dtype)} but got scalar "
+                           f"type {_name(imag.dtype)} for second argument")
+    shape = torch.broadcast_shapes(real.shape, imag.shape)
+    return real.new_empty(shape, dtype=_COMPLEX_OF[real.dtype])
+
+
+def _name(dtype):
+    return {torch.float16: "Half", torch.float32: "Float", torch.float64: "Double",
+            torch.int32: "Int", torch.int64: "Long", torch.int16: "Short", torch.int8: "Char",
+            torch.uint8: "Byte", torch.bool: "Bool", torch.bfloat16: "BFloat16"}.get(
+        dtype, str(dtype))
+
+
+_lib.impl("complex", _complex, "Meta")

@@ -278,3 +278,39 @@ def zero(x):
 @lowering("aten::masked_fill.Scalar", "aten::masked_fill.Tensor")
 def masked_fill(x, mask, value):
     return jnp.where(mask, jnp.asarray(value).astype(x.dtype), x)
+
+
+@lowering("aten::fmax.default", promote=True)
+def fmax(a, b):
+    return jnp.fmax(a, b)
+
+
+@lowering("aten::fmin.default", promote=True)
+def fmin(a, b):
+    return jnp.fmin(a, b)
+
+
+@lowering("aten::copysign.Scalar", promote=True)
+def copysign_scalar(a, b):
+    return jnp.copysign(a, jnp.asarray(b, a.dtype))
+
+
+@lowering("aten::complex.default")
+def complex_(real, imag):
+    return jax.lax.complex(*jnp.broadcast_arrays(real, imag))
+
+
+@lowering("aten::polar.default")
+def polar(magnitude, angle):
+    magnitude, angle = jnp.broadcast_arrays(magnitude, angle)
+    return jax.lax.complex(magnitude * jnp.cos(angle), magnitude * jnp.sin(angle))
+
+
+@lowering("aten::softshrink_backward.default")
+def softshrink_backward(grad, x, lambd):
+    return jnp.where(jnp.abs(x) > lambd, grad, 0).astype(x.dtype)
+
+
+@lowering("aten::hardshrink_backward.default")
+def hardshrink_backward(grad, x, lambd):
+    return jnp.where(jnp.abs(x) > lambd, grad, 0).astype(x.dtype)

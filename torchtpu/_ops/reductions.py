@@ -372,3 +372,22 @@ def segment_reduce_backward(grad, output, data, reduce, lengths=None, offsets=No
     _, pullback = jax.vjp(lambda d: _segment_reduce(d, reduce, lengths, offsets, axis, initial),
                           data)
     return pullback(grad.astype(data.dtype))[0]
+
+
+@lowering("aten::kthvalue.default")
+def kthvalue(x, k, dim=-1, keepdim=False):
+    from .registry import check
+    if x.ndim == 0:
+        check(jnp.asarray(k == 1), "kthvalue(): selected number k out of range for dimension 0",
+              IndexError)
+        return x, jnp.zeros((), jnp.int64)
+    dim = dim % x.ndim
+    n = x.shape[dim]
+    if not 1 <= k <= n:
+        raise IndexError(f"kthvalue(): selected number k out of range for dimension {dim}")
+    order = jnp.argsort(x, axis=dim, stable=True)  # NaN sorts last, as "largest"
+    index = jnp.take(order, k - 1, axis=dim)
+    value = jnp.take_along_axis(x, jnp.expand_dims(index, dim), axis=dim).squeeze(dim)
+    if keepdim:
+        value, index = jnp.expand_dims(value, dim), jnp.expand_dims(index, dim)
+    return value, index.astype(jnp.int64)

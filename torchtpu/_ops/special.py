@@ -87,7 +87,7 @@ def mvlgamma(x, p):
 
 @lowering("aten::nextafter.default", promote=True)
 def nextafter(x, y):
-    return lax.nextafter(x, y)
+    return lax.nextafter(*jnp.broadcast_arrays(x, y))
 
 
 @lowering("aten::conj_physical.default")

@@ -243,7 +243,8 @@ def _grads(outputs, inputs, weights, device):
     outs = _projection(outputs)
     loss = None
     for o, w in zip(outs, weights):
-        w = w.to(device)
+        # The output's own device: an op may return CPU tensors from tpu inputs (`to("cpu")`).
+        w = w.to(o.device if o.device.type in ("cpu", "tpu") else device)
         term = (o * w).sum()
         if term.is_complex():
             term = term.real
