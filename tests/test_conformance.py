@@ -104,6 +104,7 @@ OPS = {
     "_batch_norm_with_update": (F32, True),
     "nn.functional.interpolate.bilinear": (F32, True),
     "nn.functional.interpolate.nearest": (F32, True),
+    "_upsample_bilinear2d_aa": (F32, True),
     "nn.functional.pad.replicate": (F32, True),
     "nn.functional.multi_margin_loss": (F32, True),
     "nn.functional.softshrink": (F32, True),

@@ -460,3 +460,52 @@ def embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum
     return embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices,
                                         num_weights, scale_grad_by_freq, mode,
                                         per_sample_weights, padding_idx)
+
+
+# --- antialiased bilinear resize: PyTorch's (and PIL's) separable triangle filter --------------
+def _aa_weights(in_size, out_size, align_corners, scale):
+    """(out, in) float32 matrix of PyTorch's antialiasing weights along one axis."""
+    f32 = np.float32
+    if align_corners:
+        scale = f32((in_size - 1) / (out_size - 1)) if out_size > 1 else f32(0)
+    else:
+        scale = f32(1.0 / scale) if scale is not None and scale > 0 else f32(in_size / out_size)
+    support = f32(scale) if scale >= 1.0 else f32(1.0)  # interp_size / 2 = 1, widened by scale
+    max_taps = int(np.ceil(support)) * 2 + 1
+    invscale = f32(1.0 / scale) if scale >= 1.0 else f32(1.0)
+    weights = np.zeros((out_size, in_size), np.float32)
+    for i in range(out_size):
+        center = f32(scale * (i + 0.5))
+        xmin = max(int(center - support + 0.5), 0)
+        xsize = min(max(min(int(center + support + 0.5), in_size) - xmin, 0), max_taps)
+        taps = np.maximum(
+            0, 1 - np.abs((np.arange(xsize, dtype=np.float32) + xmin - center + f32(0.5))
+                          * invscale)).astype(np.float32)
+        total = taps.sum(dtype=np.float32)
+        if total != 0:
+            taps = taps / total
+        weights[i, xmin:xmin + xsize] = taps
+    return weights
+
+
+def _aa_resize(x, output_size, align_corners, scales_h, scales_w):
+    wh = _aa_weights(x.shape[-2], output_size[0], align_corners, scales_h)
+    ww = _aa_weights(x.shape[-1], output_size[1], align_corners, scales_w)
+    horizontal = jnp.einsum("...hw,ow->...ho", x.astype(jnp.float32), ww,
+                            precision=lax.Precision.HIGHEST)
+    out = jnp.einsum("...hw,oh->...ow", horizontal, wh, precision=lax.Precision.HIGHEST)
+    return out.astype(x.dtype)
+
+
+@lowering("aten::_upsample_bilinear2d_aa.default")
+def upsample_bilinear2d_aa(x, output_size, align_corners, scales_h=None, scales_w=None):
+    return _aa_resize(x, output_size, align_corners, scales_h, scales_w)
+
+
+@lowering("aten::_upsample_bilinear2d_aa_backward.default")
+def upsample_bilinear2d_aa_backward(grad, output_size, input_size, align_corners, scales_h=None,
+                                    scales_w=None):
+    x = jnp.zeros(tuple(input_size), grad.dtype)
+    _, pullback = jax.vjp(lambda a: _aa_resize(a, output_size, align_corners, scales_h,
+                                               scales_w), x)
+    return pullback(grad)[0]
