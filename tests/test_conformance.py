@@ -99,6 +99,8 @@ OPS = {
     "nn.functional.conv2d": (F32, False),
     "nn.functional.avg_pool2d": (F32, True),
     "nn.functional.max_pool2d": (F32, True),
+    "nn.functional.fractional_max_pool2d": (F32, True),
+    "nn.functional.fractional_max_pool3d": (F32, True),
     "nn.functional.adaptive_avg_pool2d": (F32, True),
     "nn.functional.group_norm": (F32, False),
     "_batch_norm_with_update": (F32, True),

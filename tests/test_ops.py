@@ -151,3 +151,21 @@ def test_batch_norm_train_updates_running_stats_and_eval_uses_them(cls, shape):
     tpu_bn.eval()
     x2 = torch.randn(*shape)
     torch.testing.assert_close(tpu_bn(x2.to("tpu")).detach().cpu(), bn(x2).detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("nd", [2, 3])
+def test_fractional_max_pool_matches_cpu_for_the_same_random_samples(nd):
+    # The op is random only through `random_samples`; given the same ones, the windows, the
+    # maxima, their indices and the gradient must be PyTorch's exactly.
+    op = torch.ops.aten.fractional_max_pool2d if nd == 2 else torch.ops.aten.fractional_max_pool3d
+    x = torch.randn(2, 3, *([9] * nd), requires_grad=True)
+    u = torch.rand(2, 3, nd)
+    kernel, out = [2] * nd, [4] * nd
+    values, indices = op(x, kernel, out, u)
+    xt = x.detach().to("tpu").requires_grad_()
+    tvalues, tindices = op(xt, kernel, out, u.to("tpu"))
+    assert torch.equal(tvalues.cpu(), values.detach()) and torch.equal(tindices.cpu(), indices)
+    g = torch.randn_like(values)
+    values.backward(g)
+    tvalues.backward(g.to("tpu"))
+    assert torch.equal(xt.grad.cpu(), x.grad)

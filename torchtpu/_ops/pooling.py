@@ -199,3 +199,89 @@ def adaptive_max_pool2d(x, output_size):
 @lowering("aten::adaptive_max_pool3d.default")
 def adaptive_max_pool3d(x, output_size):
     return _adaptive_max(x, output_size, 3)
+
+
+# --- fractional max pooling: windows placed by the given random samples -----------------------
+def _fractional_starts(sample, in_size, pool, out_size):
+    """PyTorch's pseudo-random window starts along one axis for one sample u in [0, 1)."""
+    alpha = (in_size - pool) / (out_size - 1) if out_size > 1 else 0.0
+    i = jnp.arange(out_size - 1, dtype=sample.dtype)
+    starts = ((i + sample[..., None]) * alpha).astype(jnp.int64) - \
+        (sample[..., None] * alpha).astype(jnp.int64)[..., :1]
+    last = jnp.full(sample.shape + (1,), in_size - pool, jnp.int64)
+    return jnp.concatenate([starts, last], axis=-1)
+
+
+def _fractional_max_pool(x, kernel_size, output_size, samples):
+    """x: (N, C, *spatial) (or without N), samples: (N, C, nd) uniform numbers in [0, 1)."""
+    batched = x.ndim == len(kernel_size) + 2
+    if not batched:
+        x = x[None]
+    nd = len(kernel_size)
+    if x.size == 0:
+        shape = x.shape[:2] + tuple(output_size)
+        empty = jnp.zeros(shape if batched else shape[1:], x.dtype)
+        return empty, empty.astype(jnp.int64)
+    spatial = x.shape[2:]
+    samples = jnp.broadcast_to(samples.reshape(x.shape[0], -1, nd), x.shape[:2] + (nd,))
+    # Which sample drives which axis: PyTorch's 2-D kernel takes (width, height), its 3-D kernel
+    # (time, height, width).
+    order = [1, 0] if nd == 2 else list(range(nd))
+    starts = [_fractional_starts(samples[..., order[d]].astype(jnp.float64), spatial[d],
+                                 kernel_size[d], output_size[d]) for d in range(nd)]
+    # Per axis: the input positions of every (output position, window offset), (N, C, out, k).
+    positions = [s[..., :, None] + jnp.arange(k) for s, k in zip(starts, kernel_size)]
+    grids = []
+    for d in range(nd):
+        shape = [x.shape[0], x.shape[1]] + [1] * (2 * nd)
+        shape[2 + d], shape[2 + nd + d] = output_size[d], kernel_size[d]
+        grids.append(positions[d].reshape(shape))
+    flat_pos = 0
+    for d in range(nd):
+        flat_pos = flat_pos * spatial[d] + grids[d]
+    flat_x = x.reshape(x.shape[:2] + (-1,))
+    shape = x.shape[:2] + tuple(output_size) + tuple(kernel_size)
+    flat_pos = jnp.broadcast_to(flat_pos, shape).reshape(x.shape[:2] + tuple(output_size) + (-1,))
+    windows = jnp.take_along_axis(flat_x[..., None, :], flat_pos.reshape(x.shape[:2] + (1, -1)),
+                                  axis=-1).reshape(flat_pos.shape)
+    # The first maximum wins, and a NaN beats any number (PyTorch's `val > max || isnan(val)`).
+    score = jnp.where(jnp.isnan(windows), jnp.inf, windows)
+    best = jnp.argmax(score, axis=-1)
+    values = jnp.take_along_axis(windows, best[..., None], axis=-1)[..., 0]
+    indices = jnp.take_along_axis(flat_pos, best[..., None], axis=-1)[..., 0]
+    if not batched:
+        values, indices = values[0], indices[0]
+    return values, indices.astype(jnp.int64)
+
+
+def _fractional_backward(grad, x, kernel_size, indices):
+    """Each output's gradient goes to the input element its window's maximum came from."""
+    nd = len(kernel_size)
+    if x.size == 0:
+        return jnp.zeros(x.shape, grad.dtype)
+    planes = x.shape[:x.ndim - nd]
+    size = int(np.prod(x.shape[x.ndim - nd:]))
+    rows = int(np.prod(planes))
+    out = jax.vmap(lambda i, v: jnp.zeros(size, grad.dtype).at[i].add(v))(
+        indices.reshape(rows, -1), grad.reshape(rows, -1))
+    return out.reshape(x.shape)
+
+
+@lowering("aten::fractional_max_pool2d.default")
+def fractional_max_pool2d(x, kernel_size, output_size, random_samples):
+    return _fractional_max_pool(x, kernel_size, output_size, random_samples)
+
+
+@lowering("aten::fractional_max_pool3d.default")
+def fractional_max_pool3d(x, kernel_size, output_size, random_samples):
+    return _fractional_max_pool(x, kernel_size, output_size, random_samples)
+
+
+@lowering("aten::fractional_max_pool2d_backward.default")
+def fractional_max_pool2d_backward(grad, x, kernel_size, output_size, indices):
+    return _fractional_backward(grad, x, kernel_size, indices)
+
+
+@lowering("aten::fractional_max_pool3d_backward.default")
+def fractional_max_pool3d_backward(grad, x, kernel_size, output_size, indices):
+    return _fractional_backward(grad, x, kernel_size, indices)
