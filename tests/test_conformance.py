@@ -79,6 +79,7 @@ OPS = {
     "histc": (F32, False),
     "histogram": (F32, False),
     "histogramdd": (F32, False),
+    "hash_tensor": (INT, False),
     "repeat_interleave": (F32, True),
     "equal": (INT, False),
     # matmul, linalg, fft

@@ -391,3 +391,17 @@ def kthvalue(x, k, dim=-1, keepdim=False):
     if keepdim:
         value, index = jnp.expand_dims(value, dim), jnp.expand_dims(index, dim)
     return value, index.astype(jnp.int64)
+
+
+@lowering("aten::hash_tensor.default")
+def hash_tensor(x, dim=(), keepdim=False, mode=0):
+    """mode 0: the xor of the elements' 64-bit patterns (floats as float64, integers as int64)."""
+    from jax import lax
+    if mode != 0:
+        raise RuntimeError(f"hash_tensor: mode {mode} is not supported")
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        bits = lax.bitcast_convert_type(x.astype(jnp.float64), jnp.uint64)
+    else:
+        bits = lax.bitcast_convert_type(x.astype(jnp.int64), jnp.uint64)
+    axes = _dims(x, dim)
+    return jnp.bitwise_xor.reduce(bits, axis=axes, keepdims=keepdim)
