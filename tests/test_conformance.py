@@ -93,6 +93,7 @@ OPS = {
     "linalg.eig": (F32, True),
     "linalg.householder_product": (F32, True),
     "ormqr": (F32, True),
+    "linalg.lstsq": (F32, True),
     "fft.rfft": (F32, False),
     # nn
     "softmax": (F32, True),

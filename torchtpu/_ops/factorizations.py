@@ -245,3 +245,42 @@ def ormqr(a, tau, other, left=True, transpose=False):
     if transpose:
         q = jnp.conj(jnp.swapaxes(q, -1, -2))
     return q @ other if left else other @ q
+
+
+@lowering("aten::linalg_lstsq.default", eager=True)
+def linalg_lstsq(a, b, rcond=None, driver=None):
+    """Least squares through the SVD (the minimum-norm solution, as gelsy/gelsd/gelss give).
+    Which extra outputs are filled follows PyTorch's CPU drivers; residuals exist only for
+    tall full-rank problems, so the op synchronises (like the CPU, it has to look at the rank)."""
+    if a.ndim < 2:
+        raise RuntimeError("torch.linalg.lstsq: input must have at least 2 dimensions.")
+    driver = driver or "gelsy"
+    if driver not in ("gels", "gelsy", "gelsd", "gelss"):
+        raise RuntimeError(f"torch.linalg.lstsq: parameter `driver` should be one of "
+                           f"(gels, gelsy, gelsd, gelss), but got {driver}")
+    vector = b.ndim == a.ndim - 1
+    if vector:
+        b = b[..., None]
+    m, n = a.shape[-2:]
+    batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a = jnp.broadcast_to(a, batch + (m, n))
+    b = jnp.broadcast_to(b, batch + (m, b.shape[-1]))
+    u, s, vh = jnp.linalg.svd(a, full_matrices=False)
+    if rcond is None or rcond < 0:
+        rcond = jnp.finfo(a.dtype).eps * max(m, n)
+    keep = s > rcond * s[..., :1]
+    inv = jnp.where(keep, 1 / jnp.where(keep, s, 1), 0)
+    x = _mH(vh) @ (inv[..., None] * (_mH(u) @ b))
+    rank = jnp.sum(keep, axis=-1).astype(jnp.int64)
+    real = jnp.finfo(a.dtype).dtype
+    if m > n and driver != "gelsy" and (driver == "gels" or bool(jnp.all(rank == n))):
+        residuals = jnp.sum(jnp.abs(a @ x - b) ** 2, axis=-2).astype(real)
+    else:
+        residuals = jnp.zeros((0,), real)
+    ranks = rank if driver != "gels" else jnp.zeros((0,), jnp.int64)
+    singular = s.astype(real) if driver in ("gelsd", "gelss") else jnp.zeros((0,), real)
+    return (x[..., 0] if vector else x), residuals, ranks, singular
+
+
+def _mH(x):
+    return jnp.conj(jnp.swapaxes(x, -1, -2))
