@@ -121,6 +121,7 @@ OPS = {
     "grid_sampler_3d": (F32, True),
     "nn.functional.pdist": (F32, True),
     "nn.functional.embedding_bag": (F32, True),
+    "nn.functional.ctc_loss": (F32, True),
 }
 
 

@@ -93,3 +93,4 @@ def _name(dtype):
 
 _lib.impl("complex", _complex, "Meta")
 _lib.impl("fractional_max_pool3d_backward", _like_self, "Meta")
+_lib.impl("_ctc_loss_backward", _like_self, "Meta")
