@@ -112,6 +112,7 @@ OPS = {
     "nn.functional.pad.replicate": (F32, True),
     "nn.functional.multi_margin_loss": (F32, True),
     "nn.functional.softshrink": (F32, True),
+    "nn.functional.rrelu": (F32, True),
     "nn.functional.cross_entropy": (F32, True),
     "nn.functional.hardswish": (F32, True),
     "nn.functional.smooth_l1_loss": (F32, True),

@@ -169,3 +169,16 @@ def test_fractional_max_pool_matches_cpu_for_the_same_random_samples(nd):
     values.backward(g)
     tvalues.backward(g.to("tpu"))
     assert torch.equal(xt.grad.cpu(), x.grad)
+
+
+def test_rrelu_eval_matches_cpu_and_training_draws_slopes_for_non_positive_inputs():
+    x = torch.randn(64)
+    assert_same(F.rrelu(x.to("tpu"), 0.1, 0.3, training=False), F.rrelu(x, 0.1, 0.3, training=False))
+    xt = x.to("tpu").requires_grad_()
+    noise = torch.empty(64, device="tpu")
+    out = torch.ops.aten.rrelu_with_noise(xt, noise, 0.1, 0.3, True)
+    n, xc = noise.cpu(), x
+    assert torch.all(n[xc > 0] == 1) and torch.all((n[xc <= 0] >= 0.1) & (n[xc <= 0] <= 0.3))
+    torch.testing.assert_close(out.detach().cpu(), xc * n)
+    out.sum().backward()
+    torch.testing.assert_close(xt.grad.cpu(), n)

@@ -21,14 +21,14 @@ def _install_kernels():
     from . import _ops  # noqa: F401  (fills the lowering table)
     from ._execution import fallback, fused, kernels
     from ._device import streams
-    from ._ops import batch_norm, factorizations, masks, transfer, views
+    from ._ops import batch_norm, factorizations, masks, rrelu, transfer, views
 
     lib = torch.library.Library("aten", "IMPL")
     views.register(lib)
     transfer.register(lib)
     streams.register(lib)
     manual = ({torch.ops.aten.copy_.default} | masks.register(lib) | batch_norm.register(lib)
-              | factorizations.register(lib))
+              | factorizations.register(lib) | rrelu.register(lib))
     kernels.register_table(lib, skip=manual)
     fallback_lib = torch.library.Library("_", "IMPL")
     fallback.register(fallback_lib)
