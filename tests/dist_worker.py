@@ -352,11 +352,16 @@ def scenario_dtensor():
 
 
 # --- failures --------------------------------------------------------------------------------
-def scenario_rank_dies():
-    dist.init_process_group("tpu", timeout=datetime.timedelta(seconds=20))
-    r = dist.get_rank()
+def _group_that_worked_once(timeout_s):
+    """Join a tpu group with this timeout and run one collective: (rank, a tpu tensor)."""
+    dist.init_process_group("tpu", timeout=datetime.timedelta(seconds=timeout_s))
     t = torch.ones(4, device="tpu")
     dist.all_reduce(t)
+    return dist.get_rank(), t
+
+
+def scenario_rank_dies():
+    r, t = _group_that_worked_once(20)
     if r == 1:
         os._exit(17)  # dies without a word
     time.sleep(1)
@@ -372,10 +377,7 @@ def scenario_rank_dies():
 
 
 def scenario_rank_stalls():
-    dist.init_process_group("tpu", timeout=datetime.timedelta(seconds=5))
-    r = dist.get_rank()
-    t = torch.ones(4, device="tpu")
-    dist.all_reduce(t)
+    r, t = _group_that_worked_once(5)
     if r == 1:
         time.sleep(25)  # alive, but never joins the next collective
         os._exit(0)

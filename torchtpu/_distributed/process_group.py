@@ -359,9 +359,13 @@ class ProcessGroupTPU(dist.ProcessGroup):
 
     _allgather_base = all_gather_single
 
-    def all_gather_single_coalesced(self, outputs, inputs, opts):
-        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
+    def _each(self, collective, outputs, inputs, opts):
+        """A coalesced call: `collective` per (output, input) pair, one Work for all."""
+        works = [collective(o, i, opts) for o, i in zip(outputs, inputs)]
         return self._done(outputs, [a for w in works for a in w._arrays])
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts):
+        return self._each(self.all_gather_single, outputs, inputs, opts)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -381,10 +385,6 @@ class ProcessGroupTPU(dist.ProcessGroup):
         return self._done(output_tensors, [rows])
 
     # --- scatters -----------------------------------------------------------------------
-    def _reduce_scatter_rows(self, stacked, op):
-        """stacked: (n, m) -- row j is this rank's contribution to rank j's result."""
-        return self._run("reduce_scatter", op, stacked)
-
     def reduce_scatter(self, output_tensors, input_tensors, opts):
         if self._route(output_tensors + [i for ins in input_tensors for i in ins],
                        "reduce_scatter") == "cpu":
@@ -397,7 +397,8 @@ class ProcessGroupTPU(dist.ProcessGroup):
                                    f"input tensors, got {len(ins)}")
             vals = self._values(ins)
             self._expect("reduce_scatter", op, out.dtype, out.shape)
-            res = self._reduce_scatter_rows(jnp.stack([v.reshape(-1) for v in vals]), op)
+            # Row j of the stack is this rank's contribution to rank j's result.
+            res = self._run("reduce_scatter", op, jnp.stack([v.reshape(-1) for v in vals]))
             _assign(out, res.reshape(out.shape))
             arrays.append(res)
         return self._done(output_tensors, arrays)
@@ -415,15 +416,14 @@ class ProcessGroupTPU(dist.ProcessGroup):
         self._expect("reduce_scatter", (op, "tensor"), input.dtype, input.shape)
         if input.dim() == 0 or input.shape[0] % self._size:
             v = v.reshape(self._size, -1)
-        res = self._reduce_scatter_rows(v, op)
+        res = self._run("reduce_scatter", op, v)
         _assign(output, res.reshape(output.shape))
         return self._done([output], [res])
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
-        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return self._done(outputs, [a for w in works for a in w._arrays])
+        return self._each(self.reduce_scatter_single, outputs, inputs, opts)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 

@@ -1,7 +1,7 @@
 """Backward ops as the JAX gradient of their forward lowering.
 
 PyTorch's autograd calls a dedicated backward op for these (upsampling, replication padding,
-margin losses). Each is the vector-Jacobian product of the table's own forward lowering, so the
+margin losses, grid sampling). Each is the vector-Jacobian product of the table's own forward lowering, so the
 two always agree; upsampling and padding are linear, so their VJP at any point is exact."""
 import jax
 import jax.numpy as jnp
@@ -56,3 +56,17 @@ def multilabel_margin_loss_backward(grad, x, target, reduction, is_target):
     forward = _forward(aten.multilabel_margin_loss_forward.default)
     _, pullback = jax.vjp(lambda a: forward(a, target, reduction)[0], x)
     return pullback(grad.astype(x.dtype))[0]
+
+
+def _grid_sampler_backward(forward):
+    def backward(grad, x, grid, interpolation_mode, padding_mode, align_corners, output_mask):
+        _, pullback = jax.vjp(lambda a, g: _forward(forward)(
+            a, g, interpolation_mode, padding_mode, align_corners), x, grid)
+        grad_x, grad_grid = pullback(grad.astype(x.dtype))
+        return (grad_x if output_mask[0] else None), (grad_grid if output_mask[1] else None)
+    return backward
+
+
+for _n in (2, 3):
+    lowering(f"aten::grid_sampler_{_n}d_backward.default")(
+        _grid_sampler_backward(getattr(aten, f"grid_sampler_{_n}d").default))

@@ -360,16 +360,8 @@ def unique_dim(x, dim, sorted=True, return_inverse=False, return_counts=False):
 
 
 def _histogram(x, edges, weight, density):
-    bins = edges.shape[0] - 1
-    x = x.reshape(-1)
-    pos = jnp.searchsorted(edges, x, side="right") - 1
-    pos = jnp.where(x == edges[-1], bins - 1, pos)  # the last bin includes its right edge
-    inside = (x >= edges[0]) & (x <= edges[-1])
-    w = jnp.ones_like(x) if weight is None else weight.reshape(-1).astype(x.dtype)
-    hist = jnp.zeros(bins, x.dtype).at[jnp.clip(pos, 0, bins - 1)].add(jnp.where(inside, w, 0))
-    if density:
-        hist = hist / (jnp.sum(hist) * jnp.diff(edges))
-    return hist, edges
+    """The one-dimensional histogram: histogramdd of the flattened values as points."""
+    return _histogramdd(x.reshape(-1, 1), [edges], weight, density), edges
 
 
 def _bin_edges(points, bins, range):

@@ -1,9 +1,8 @@
 """Neural-network ops and their backward ops (backward lowerings reuse the forward through
 jax.vjp where PyTorch's formula is just the derivative)."""
 import jax
-import numpy as np
-import torch
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .registry import lowering
@@ -300,18 +299,6 @@ def pdist_backward(grad, x, p, pdist):
     return jax.vjp(lambda a: _pdist(a, p), x)[1](grad)[0]
 
 
-@lowering("aten::grid_sampler_2d_backward.default")
-def grid_sampler_2d_backward(grad, x, grid, interpolation_mode, padding_mode, align_corners,
-                             output_mask):
-    # The gradient of the forward lowering (PyTorch's decomposition of grid_sampler_2d).
-    from .registry import TABLE
-    forward = TABLE[torch.ops.aten.grid_sampler_2d.default].fn
-    _, pullback = jax.vjp(
-        lambda a, g: forward(a, g, interpolation_mode, padding_mode, align_corners), x, grid)
-    grad_x, grad_grid = pullback(grad.astype(x.dtype))
-    return (grad_x if output_mask[0] else None), (grad_grid if output_mask[1] else None)
-
-
 # --- grid_sampler_3d: PyTorch's coordinate rules (unnormalise, pad, then interpolate) ----------
 def _unnormalize(coord, size, align_corners):
     if align_corners:
@@ -371,15 +358,6 @@ def grid_sampler_3d(x, grid, interpolation_mode, padding_mode, align_corners):
         return out
 
     return jax.vmap(sample)(x, iz, iy, ix).astype(x.dtype)
-
-
-@lowering("aten::grid_sampler_3d_backward.default")
-def grid_sampler_3d_backward(grad, x, grid, interpolation_mode, padding_mode, align_corners,
-                             output_mask):
-    _, pullback = jax.vjp(lambda a, g: grid_sampler_3d(a, g, interpolation_mode, padding_mode,
-                                                       align_corners), x, grid)
-    grad_x, grad_grid = pullback(grad.astype(x.dtype))
-    return (grad_x if output_mask[0] else None), (grad_grid if output_mask[1] else None)
 
 
 # --- embedding_bag -----------------------------------------------------------------------------
@@ -547,7 +525,10 @@ def _ctc_forward(log_probs, targets, input_lengths, target_lengths, blank):
     valid_s = s_idx[None, :] <= 2 * tl[:, None]
     skip = (s_idx[None, :] >= 2) & (ext != blank) & (ext != jnp.roll(ext, 2, axis=1))
     neg = jnp.asarray(-jnp.inf, lp.dtype)
-    emit = lambda t: jnp.take_along_axis(lp[t], ext, axis=1)  # noqa: E731  (B, 2S+1)
+
+    def emit(t):  # each extended label's log probability at time t, (B, 2S+1)
+        return jnp.take_along_axis(lp[t], ext, axis=1)
+
     first = jnp.where((s_idx[None, :] < 2) & valid_s, emit(0), neg)
     first = jnp.where((s_idx[None, :] == 1) & (tl[:, None] == 0), neg, first)
 
@@ -585,8 +566,7 @@ def ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, n
                       blank, zero_infinity=False):
     # PyTorch's CTC gradient is taken w.r.t. the logits under log_softmax: the derivative of
     # the loss w.r.t. log_probs plus exp(log_probs), over each sequence's own input length.
-    forward_nll, _ = _ctc_forward(log_probs, targets, input_lengths, target_lengths, blank)
-    _, pullback = jax.vjp(
+    forward_nll, pullback = jax.vjp(
         lambda lp: _ctc_forward(lp, targets, input_lengths, target_lengths, blank)[0], log_probs)
     g = grad.astype(log_probs.dtype)
     d_lp = pullback(g)[0]

@@ -207,7 +207,7 @@ def _fractional_starts(sample, in_size, pool, out_size):
     alpha = (in_size - pool) / (out_size - 1) if out_size > 1 else 0.0
     i = jnp.arange(out_size - 1, dtype=sample.dtype)
     starts = ((i + sample[..., None]) * alpha).astype(jnp.int64) - \
-        (sample[..., None] * alpha).astype(jnp.int64)[..., :1]
+        (sample[..., None] * alpha).astype(jnp.int64)
     last = jnp.full(sample.shape + (1,), in_size - pool, jnp.int64)
     return jnp.concatenate([starts, last], axis=-1)
 

@@ -1,7 +1,9 @@
 """Reductions: dims/keepdim/dtype semantics follow PyTorch (output dtype from the meta kernel)."""
+import jax
 import jax.numpy as jnp
+from jax import lax
 
-from .registry import lowering
+from .registry import check, lowering
 
 
 def _dims(x, dim):
@@ -197,7 +199,6 @@ def vector_norm(x, ord=2, dim=None, keepdim=False, dtype=None):
 
 # --- running extremes and medians: NaN wins, as in PyTorch's CPU kernels ----------------------
 def _running_extreme(x, dim, later_wins):
-    from jax import lax
     if x.ndim == 0:
         return x, jnp.zeros((), jnp.int64)
     dim = dim % x.ndim
@@ -223,7 +224,6 @@ def cummin(x, dim):
 
 @lowering("aten::_logcumsumexp.default")
 def logcumsumexp(x, dim):
-    from jax import lax
     if x.ndim == 0:
         return x
     return lax.cumlogsumexp(x, axis=dim % x.ndim)
@@ -290,7 +290,6 @@ def nanmedian_dim(x, dim, keepdim=False):
 def mode(x, dim=-1, keepdim=False):
     """The most frequent value (the smallest among equally frequent ones) and the last index
     where it occurs, as PyTorch's CPU kernel sorts (value, index) pairs and scans the runs."""
-    from jax import lax
     if x.ndim == 0:
         return x, jnp.zeros((), jnp.int64)
     dim = dim % x.ndim
@@ -317,7 +316,6 @@ _SEGMENT_IDENTITY = {"max": -jnp.inf, "min": jnp.inf, "prod": 1.0, "sum": 0.0, "
 
 def _segment_reduce_1d(data, lengths, reduce, initial):
     """data: (L, rest...), lengths: (S,) -> (S, rest...)."""
-    import jax
     s = lengths.shape[0]
     ends = jnp.cumsum(lengths)
     ids = jnp.searchsorted(ends, jnp.arange(data.shape[0]), side="right")
@@ -350,7 +348,6 @@ def _segment_reduce_1d(data, lengths, reduce, initial):
 
 
 def _segment_reduce(data, reduce, lengths, offsets, axis, initial):
-    import jax
     if lengths is None:
         lengths = jnp.diff(offsets, axis=-1)
     axis = axis % data.ndim
@@ -370,7 +367,6 @@ def segment_reduce(data, reduce, lengths=None, indices=None, offsets=None, axis=
 @lowering("aten::_segment_reduce_backward.default")
 def segment_reduce_backward(grad, output, data, reduce, lengths=None, offsets=None, axis=0,
                             initial=None):
-    import jax
     _, pullback = jax.vjp(lambda d: _segment_reduce(d, reduce, lengths, offsets, axis, initial),
                           data)
     return pullback(grad.astype(data.dtype))[0]
@@ -378,7 +374,6 @@ def segment_reduce_backward(grad, output, data, reduce, lengths=None, offsets=No
 
 @lowering("aten::kthvalue.default")
 def kthvalue(x, k, dim=-1, keepdim=False):
-    from .registry import check
     if x.ndim == 0:
         check(jnp.asarray(k == 1), "kthvalue(): selected number k out of range for dimension 0",
               IndexError)
@@ -398,7 +393,6 @@ def kthvalue(x, k, dim=-1, keepdim=False):
 @lowering("aten::hash_tensor.default")
 def hash_tensor(x, dim=(), keepdim=False, mode=0):
     """mode 0: the xor of the elements' 64-bit patterns (floats as float64, integers as int64)."""
-    from jax import lax
     if mode != 0:
         raise RuntimeError(f"hash_tensor: mode {mode} is not supported")
     if jnp.issubdtype(x.dtype, jnp.floating):
