@@ -5,6 +5,16 @@ import torch
 _lib = torch.library.Library("aten", "IMPL")
 
 
+def _impl(name, fn):
+    try:
+        _lib.impl(name, fn, "Meta")
+    except RuntimeError as e:
+        # Older PyTorch releases register some of these meta kernels in Python themselves (and
+        # a failed import leaves ours registered); either one serves.
+        if "already a kernel registered from python" not in str(e):
+            raise
+
+
 def _logcumsumexp(x, dim):
     torch._prims_common.canonicalize_dim(x.dim(), dim)  # IndexError: Dimension out of range
     return torch.empty_like(x)
@@ -16,8 +26,8 @@ def _geqrf(a):
             a.new_empty(a.shape[:-2] + (min(m, n),)))
 
 
-_lib.impl("_logcumsumexp", _logcumsumexp, "Meta")
-_lib.impl("geqrf", _geqrf, "Meta")
+_impl("_logcumsumexp", _logcumsumexp)
+_impl("geqrf", _geqrf)
 
 
 def _histogram_bin_ct(x, bins=100, *, range=None, weight=None, density=False):
@@ -28,8 +38,8 @@ def _histogram_bins_tensor(x, bins, *, weight=None, density=False):
     return x.new_empty((bins.numel() - 1,)), x.new_empty(bins.shape)
 
 
-_lib.impl("histogram.bin_ct", _histogram_bin_ct, "Meta")
-_lib.impl("histogram.bins_tensor", _histogram_bins_tensor, "Meta")
+_impl("histogram.bin_ct", _histogram_bin_ct)
+_impl("histogram.bins_tensor", _histogram_bins_tensor)
 
 
 def _check_histogramdd(x, bins):
@@ -54,17 +64,17 @@ def _histogramdd_from_bin_tensors(x, bins, *, weight=None, density=False):
     return x.new_empty(tuple(b.numel() - 1 for b in bins))
 
 
-_lib.impl("_histogramdd_bin_edges", _histogramdd_bin_edges, "Meta")
-_lib.impl("_histogramdd_from_bin_cts", _histogramdd_from_bin_cts, "Meta")
-_lib.impl("_histogramdd_from_bin_tensors", _histogramdd_from_bin_tensors, "Meta")
+_impl("_histogramdd_bin_edges", _histogramdd_bin_edges)
+_impl("_histogramdd_from_bin_cts", _histogramdd_from_bin_cts)
+_impl("_histogramdd_from_bin_tensors", _histogramdd_from_bin_tensors)
 
 
 def _like_self(grad, x, *args, **kwargs):
     return torch.empty_like(x)
 
 
-_lib.impl("multi_margin_loss_backward", _like_self, "Meta")
-_lib.impl("multilabel_margin_loss_backward", _like_self, "Meta")
+_impl("multi_margin_loss_backward", _like_self)
+_impl("multilabel_margin_loss_backward", _like_self)
 
 
 _FLOATS = (torch.float16, torch.float32, torch.float64)
@@ -91,6 +101,6 @@ def _name(dtype):
         dtype, str(dtype))
 
 
-_lib.impl("complex", _complex, "Meta")
-_lib.impl("fractional_max_pool3d_backward", _like_self, "Meta")
-_lib.impl("_ctc_loss_backward", _like_self, "Meta")
+_impl("complex", _complex)
+_impl("fractional_max_pool3d_backward", _like_self)
+_impl("_ctc_loss_backward", _like_self)
