@@ -111,6 +111,7 @@ def main():
     cpu_model = copy.deepcopy(model)
     t_cpu = time_steps(torch_step(cpu_model, torch.optim.AdamW(cpu_model.parameters(), lr=1e-3), idx, tgt),
                        a.steps, lambda: None)
+    print(f"  [torch CPU eager: {t_cpu:.1f} ms/step]", flush=True)
 
     modes = {"strict": torch.tpu.EagerMode.DEFER_NEVER, "fused": torch.tpu.EagerMode.DEFER_AND_FUSE,
              "debug": torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING,
@@ -137,6 +138,7 @@ def main():
             after = torchtpu.metrics()
             new_compiles = sum(after.get(k, 0) - before.get(k, 0) for k in counted)
             results[name] = (ms, warmup, new_compiles)
+            print(f"  [{name}: {ms:.1f} ms/step, first step {warmup:.1f} s]", flush=True)
 
     t_inductor = None
     if "compile" in results:
