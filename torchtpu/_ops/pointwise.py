@@ -60,7 +60,28 @@ def fmod(x, y):
 
 @lowering("aten::pow.Tensor_Tensor", "aten::pow.Tensor_Scalar", "aten::pow.Scalar", promote=True)
 def pow_(x, y):
+    if jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer):
+        return _int_pow(x, y)
     return jnp.power(x, y)
+
+
+def _int_pow(x, y):
+    # Square-and-multiply over every bit of the exponent, wrapping like C++ integers (JAX's
+    # integer power only looks at an exponent's low bits).
+    x, y = jnp.broadcast_arrays(jnp.asarray(x), jnp.asarray(y))
+    y = y.astype(x.dtype)
+
+    def body(state):
+        result, base, e = state
+        result = jnp.where(e & 1, result * base, result)
+        return result, base * base, e >> 1
+
+    positive = jnp.maximum(y, 0)
+    result, _, _ = lax.while_loop(lambda s: jnp.any(s[2] > 0), body,
+                                  (jnp.ones_like(x), x, positive))
+    # x ** -n truncates to 0 except for x = 1 and x = -1, as in PyTorch's powi.
+    at_negative = jnp.where(x == 1, 1, jnp.where(x == -1, jnp.where(y & 1, -1, 1), 0)).astype(x.dtype)
+    return jnp.where(y < 0, at_negative, result)
 
 
 @lowering("aten::neg.default", promote=True)
@@ -117,19 +138,20 @@ def clamp_max(x, hi):
     return jnp.minimum(x, hi)
 
 
-@lowering("aten::addcmul.default", promote=True)
+@lowering("aten::addcmul.default", promote=True, opmath=True)
 def addcmul(x, a, b, value=1):
     return x + value * a * b
 
 
-@lowering("aten::addcdiv.default", promote=True)
+@lowering("aten::addcdiv.default", promote=True, opmath=True)
 def addcdiv(x, a, b, value=1):
     return x + value * a / b
 
 
-@lowering("aten::lerp.Scalar", "aten::lerp.Tensor", promote=True)
+@lowering("aten::lerp.Scalar", "aten::lerp.Tensor", promote=True, opmath=True)
 def lerp(x, end, weight):
-    return x + weight * (end - x)
+    # PyTorch's formula: exact at weight 0 and 1 from either side.
+    return jnp.where(jnp.abs(weight) < 0.5, x + weight * (end - x), end - (end - x) * (1 - weight))
 
 
 # --- unary float functions (integers promote to the default float dtype) -----------------
@@ -137,7 +159,12 @@ def lerp(x, end, weight):
 # square, isfinite, silu_backward and where's Scalar overloads are CompositeImplicitAutograd in
 # PyTorch: they decompose into these, so they need no lowering of their own.
 def _unary(name, fn):
-    lowering(f"aten::{name}.default", promote=True)(fn)
+    lowering(f"aten::{name}.default", promote=True, opmath=True)(fn)
+
+
+def _digamma(x):
+    # PyTorch defines digamma(0) = -inf (the limit from the right); SciPy's gives NaN.
+    return jnp.where(x == 0, -jnp.inf, jax.scipy.special.digamma(x))
 
 
 for _name, _fn in {
@@ -148,7 +175,7 @@ for _name, _fn in {
     "asinh": jnp.arcsinh, "acosh": jnp.arccosh, "atanh": jnp.arctanh,
     "sigmoid": jax.nn.sigmoid, "erf": jax.scipy.special.erf, "erfc": jax.scipy.special.erfc,
     "erfinv": jax.scipy.special.erfinv, "lgamma": jax.scipy.special.gammaln,
-    "digamma": jax.scipy.special.digamma,
+    "digamma": _digamma,
     "floor": jnp.floor, "ceil": jnp.ceil, "trunc": jnp.trunc, "round": jnp.round,
     "frac": lambda x: x - jnp.trunc(x),
 }.items():
@@ -170,9 +197,24 @@ def hypot(x, y):
     return jnp.hypot(x, y)
 
 
-@lowering("aten::logaddexp.default", promote=True)
+@lowering("aten::logaddexp.default", promote=True, opmath=True)
 def logaddexp(x, y):
+    if jnp.iscomplexobj(x):
+        return complex_logaddexp(x, y)
     return jnp.logaddexp(x, y)
+
+
+def complex_logaddexp(x, y):
+    """PyTorch's complex log(exp(x) + exp(y)): ordered by real part, so the imaginary part
+    continues that of the larger term (jnp.logaddexp may land 2*pi away)."""
+    x_smaller = jnp.real(x) < jnp.real(y)
+    lo, hi = jnp.where(x_smaller, x, y), jnp.where(x_smaller, y, x)
+    both_infinite = ~jnp.isfinite(jnp.real(lo)) & (jnp.real(lo) == jnp.real(hi))
+    result = jnp.where(both_infinite,
+                       jnp.where(jnp.real(lo) < 0, lo, jnp.log(jnp.exp(lo) + jnp.exp(hi))),
+                       jnp.log1p(jnp.exp(lo - hi)) + hi)
+    nan = jnp.isnan(x) | jnp.isnan(y)
+    return jnp.where(nan, jnp.array(complex(jnp.nan, jnp.nan), x.dtype), result)
 
 
 @lowering("aten::xlogy.Tensor", promote=True)

@@ -3,6 +3,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .._device import runtime
+from .pointwise import complex_logaddexp
 from .registry import check, lowering
 
 
@@ -162,14 +164,14 @@ def logsumexp(x, dim, keepdim=False):
     return lse(x, axis=_dims(x, dim), keepdims=keepdim)
 
 
-@lowering("aten::cumsum.default")
+@lowering("aten::cumsum.default", opmath=True)
 def cumsum(x, dim, dtype=None):
     if x.ndim == 0:
         return x.astype(_acc_dtype(x, dtype))
     return jnp.cumsum(x.astype(_acc_dtype(x, dtype)), axis=dim)
 
 
-@lowering("aten::cumprod.default")
+@lowering("aten::cumprod.default", opmath=True)
 def cumprod(x, dim, dtype=None):
     if x.ndim == 0:
         return x.astype(_acc_dtype(x, dtype))
@@ -222,11 +224,30 @@ def cummin(x, dim):
     return _running_extreme(x, dim, jnp.less_equal)
 
 
-@lowering("aten::_logcumsumexp.default")
+@lowering("aten::_logcumsumexp.default", opmath=True)
 def logcumsumexp(x, dim):
     if x.ndim == 0:
         return x
-    return lax.cumlogsumexp(x, axis=dim % x.ndim)
+    dim %= x.ndim
+    # PyTorch's CPU kernel accumulates float32 in float64: its backward formula subtracts two
+    # such scans, so float32 accumulation shows there. TPUs have no float64.
+    if runtime.platform() != "tpu" and x.dtype in (jnp.float32, jnp.complex64):
+        x = x.astype(jnp.complex128 if x.dtype == jnp.complex64 else jnp.float64)
+    if jnp.iscomplexobj(x):
+        return _complex_logcumsumexp(x, dim)
+    return lax.cumlogsumexp(x, axis=dim)
+
+
+def _complex_logcumsumexp(x, dim):
+    # A sequential scan, as the CPU's: the imaginary parts depend on the combination order.
+    moved = jnp.moveaxis(x, dim, 0)
+
+    def step(acc, v):
+        acc = complex_logaddexp(v, acc)
+        return acc, acc
+
+    start = jnp.full(moved.shape[1:], -jnp.inf, x.dtype)
+    return jnp.moveaxis(lax.scan(step, start, moved)[1], 0, dim)
 
 
 def _median(x, dim, ignore_nan):

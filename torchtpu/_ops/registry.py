@@ -11,9 +11,12 @@ overload, so an op is written once:
         return x + alpha * y
 """
 import dataclasses
+import functools
 import threading
 from typing import Callable
 
+import jax
+import jax.numpy as jnp
 import torch
 
 # OpOverload -> Lowering, for every overload we run (variants share their functional's)
@@ -36,6 +39,9 @@ class Lowering:
     random: bool = False
     # The program depends on torch.get_float32_matmul_precision() (matmuls, convolutions).
     precision: bool = False
+    # float16/bfloat16 inputs are computed in float32 and the result rounded once, as
+    # PyTorch's CPU kernels do ("opmath"); computing in the half type would round every step.
+    opmath: bool = False
 
 
 def overload_of(name):
@@ -75,6 +81,8 @@ def lowering(*names, **options):
     """Register `fn` as the lowering of each named functional overload (and its variants)."""
     def deco(fn):
         low = Lowering(fn, **options)
+        if low.opmath:
+            low.fn = in_float32(fn)
         for name in names:
             ov = overload_of(name)
             TABLE[ov] = low
@@ -82,6 +90,22 @@ def lowering(*names, **options):
                 TABLE.setdefault(var, low)
         return fn
     return deco
+
+
+_HALF = (jnp.float16, jnp.bfloat16)
+
+
+def in_float32(fn):
+    """`fn` computing its half-precision array arguments in float32. Its results stay float32:
+    every executor casts a lowering's results to the op's output dtype, which rounds them once."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        def up(x):
+            return x.astype(jnp.float32) if isinstance(x, jax.Array) and x.dtype in _HALF else x
+
+        return fn(*[[up(a) for a in x] if isinstance(x, (list, tuple)) else up(x) for x in args],
+                    **kwargs)
+    return wrapped
 
 
 _trace_state = threading.local()
