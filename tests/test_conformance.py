@@ -166,3 +166,19 @@ def test_runner_reports_wrong_answers_and_missing_ops(opinfos, monkeypatch):
     assert r["dtypes"]["float32"]["samples"] == 2
     totals = conformance.summarize([r])
     assert totals["forward_float32"]["passed"] == 0
+
+
+def test_tied_indices_pass_only_when_they_pick_the_same_values():
+    """sort/topk/kthvalue may return any index of a tied value (as PyTorch documents), but never
+    an index of a different value or the same position twice; stable=True stays exact."""
+    from torch.testing._internal.opinfo.core import SampleInput
+    x = torch.tensor([3., 1., 3., 2.])
+    values, order = torch.sort(x)
+    sample = SampleInput(x, args=(0,))
+    assert conformance._ties_only("sort", sample, (values, torch.tensor([1, 3, 2, 0])), (values, order))
+    assert not conformance._ties_only("sort", sample, (values, torch.tensor([1, 3, 0, 0])), (values, order))
+    assert not conformance._ties_only("sort", sample, (values, torch.tensor([3, 1, 0, 2])), (values, order))
+    stable = SampleInput(x, args=(0,), kwargs={"stable": True})
+    assert not conformance._ties_only("sort", stable, (values, torch.tensor([1, 3, 2, 0])), (values, order))
+    top = torch.topk(x, 1)
+    assert conformance._ties_only("topk", SampleInput(x, args=(1,)), (top.values, torch.tensor([2])), top)
