@@ -1,0 +1,11 @@
+#!/bin/bash
+# The accelerator-path check: run from the repository root on a machine whose JAX has a CUDA or
+# TPU backend (torchtpu picks it over the CPU). Prints the training-step and per-op figures
+# quoted in the README, then runs the training, mode and compile tests there.
+set -o pipefail
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
+python3 -c "import torch, torchtpu, jax; print(torch.__version__, jax.__version__, jax.devices())" || exit 1
+timeout 300 python3 benchmarks/train_step.py --steps 10 --mode fused,strict
+timeout 120 python3 benchmarks/overhead.py
+timeout 600 python3 -m pytest -q -x -p no:cacheprovider tests/test_training.py tests/test_modes.py tests/test_compile.py
