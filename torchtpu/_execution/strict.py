@@ -111,6 +111,8 @@ class OpKernel:
 
     def _call(self, args, kwargs):
         vals = self.bind(args, kwargs)
+        if self.low.validate is not None:
+            self.low.validate(*[vals[i] for i in self.functional_args])
         key = []
         buffers = []
         scalars = []

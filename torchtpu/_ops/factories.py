@@ -2,7 +2,8 @@
 import jax
 import jax.numpy as jnp
 
-from .registry import lowering
+from .meta import dtype_name
+from .registry import check, lowering
 
 
 @lowering("aten::arange.start_step", "aten::arange.start_out", static=("start", "end", "step"))
@@ -41,7 +42,12 @@ def _floating(x):
     return x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else jnp.float32
 
 
-@lowering("aten::uniform_.default", random=True)
+def _check_uniform(x, low=0.0, high=1.0, generator=None):
+    if low > high:
+        raise RuntimeError(f"uniform_ expects to return a [from, to) range, but found from={low:g} > to={high:g}")
+
+
+@lowering("aten::uniform_.default", random=True, validate=_check_uniform)
 def uniform_(key, x, low=0.0, high=1.0, generator=None):
     return jax.random.uniform(key, x.shape, jnp.float32, low, high).astype(x.dtype)
 
@@ -99,9 +105,28 @@ def exponential_(key, x, lambd=1.0, generator=None):
     return (jax.random.exponential(key, x.shape, jnp.float32) / lambd).astype(x.dtype)
 
 
-@lowering("aten::multinomial.default", random=True)
+def _check_multinomial(probs, num_samples, replacement=False, generator=None):
+    if not probs.dtype.is_floating_point:
+        raise RuntimeError(f"multinomial only supports floating-point dtypes for input, got: "
+                           f"{dtype_name(probs.dtype)}")
+    if num_samples <= 0:
+        raise RuntimeError("cannot sample n_sample <= 0 samples")
+    categories = probs.shape[-1] if probs.dim() else 1
+    if not replacement and num_samples > categories:
+        raise RuntimeError("cannot sample n_sample > prob_dist.size(-1) samples without replacement")
+    if categories > 2 ** 24:
+        raise RuntimeError("number of categories cannot exceed 2^24")
+
+
+@lowering("aten::multinomial.default", random=True, validate=_check_multinomial)
 def multinomial(key, probs, num_samples, replacement=False, generator=None):
-    logits = jnp.log(probs.astype(jnp.float32))
+    probs = probs.astype(jnp.float32)
+    # The CPU kernel's checks of the values (CUDA's are device asserts).
+    check(jnp.all(jnp.isfinite(probs) & (probs >= 0)),
+          "probability tensor contains either `inf`, `nan` or element < 0", RuntimeError)
+    check(jnp.all(jnp.sum(probs, axis=-1) > 0),
+          "invalid multinomial distribution (sum of probabilities <= 0)", RuntimeError)
+    logits = jnp.log(probs)
     if replacement:
         keys = jax.random.split(key, num_samples)
         draws = jax.vmap(lambda k: jax.random.categorical(k, logits, axis=-1))(keys)

@@ -110,7 +110,22 @@ def scatter_reduce(x, dim, index, src, reduce, include_self=True):
     raise NotImplementedError(f"scatter_reduce with reduce={reduce!r}")
 
 
-@lowering("aten::index_add.default")
+def _check_index_add(x, dim, index, source, alpha=1):
+    # PyTorch's CPU kernel checks these; its meta kernel does not.
+    if x.dim() == 0 or source.dim() == 0:
+        return
+    dim %= x.dim()
+    if index.numel() != source.shape[dim]:
+        raise RuntimeError(f"index_add_(): Number of indices ({index.numel()}) should be equal to "
+                           f"source.size(dim): ({source.shape[dim]}), for dim: {dim}")
+    if source.dim() != x.dim() or any(
+            source.shape[d] != x.shape[d] for d in range(x.dim()) if d != dim):
+        raise RuntimeError(
+            "source tensor shape must match self tensor shape, excluding the specified dimension. "
+            f"Got self.shape = {list(x.shape)} source.shape = {list(source.shape)}")
+
+
+@lowering("aten::index_add.default", validate=_check_index_add)
 def index_add(x, dim, index, source, alpha=1):
     size = x.shape[dim] if x.ndim else 1
     check_index(index, size, "index out of range in self")

@@ -86,15 +86,15 @@ def _complex(real, imag):
     # PyTorch's own meta kernel asserts; its device kernels raise these RuntimeErrors.
     if real.dtype not in _FLOATS or imag.dtype not in _FLOATS:
         raise RuntimeError(f"Expected both inputs to be Half, Float or Double tensors but got "
-                           f"{_name(real.dtype)} and {_name(imag.dtype)}")
+                           f"{dtype_name(real.dtype)} and {dtype_name(imag.dtype)}")
     if real.dtype != imag.dtype:
-        raise RuntimeError(f"Expected object of scalar type {_name(real.dtype)} but got scalar "
-                           f"type {_name(imag.dtype)} for second argument")
+        raise RuntimeError(f"Expected object of scalar type {dtype_name(real.dtype)} but got scalar "
+                           f"type {dtype_name(imag.dtype)} for second argument")
     shape = torch.broadcast_shapes(real.shape, imag.shape)
     return real.new_empty(shape, dtype=_COMPLEX_OF[real.dtype])
 
 
-def _name(dtype):
+def dtype_name(dtype):
     return {torch.float16: "Half", torch.float32: "Float", torch.float64: "Double",
             torch.int32: "Int", torch.int64: "Long", torch.int16: "Short", torch.int8: "Char",
             torch.uint8: "Byte", torch.bool: "Bool", torch.bfloat16: "BFloat16"}.get(

@@ -42,6 +42,10 @@ class Lowering:
     # float16/bfloat16 inputs are computed in float32 and the result rounded once, as
     # PyTorch's CPU kernels do ("opmath"); computing in the half type would round every step.
     opmath: bool = False
+    # Called with the op's bound arguments (tensors and Python numbers) before it runs, in
+    # every mode: raises PyTorch's error for input its kernel rejects but its meta kernel lets
+    # through, without a device round trip.
+    validate: Callable = None
 
 
 def overload_of(name):
