@@ -102,3 +102,32 @@ def test_process_survives_bad_calls():
         with pytest.raises(RuntimeError):
             bad()
     assert (x * 2).cpu().tolist() == [2.0, 2.0]
+
+
+def test_overlapping_writes_raise_as_on_the_cpu():
+    """A write PyTorch refuses (an expanded output, an input partly aliasing the output, any
+    aliasing for gathering ops) raises its RuntimeError; full aliasing in-place still works."""
+    x = torch.arange(6.0, device="tpu")
+    with pytest.raises(RuntimeError, match="input tensor and the written-to tensor"):
+        x[1:].add_(x[:-1])
+    with pytest.raises(RuntimeError, match="input tensor and the written-to tensor"):
+        torch.cat([x[:3], x[:3]], out=x)
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        torch.zeros(3, device="tpu").expand(2, 3).mul_(2)
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        torch.zeros(3, device="tpu").expand(2, 3).bernoulli_(0.5)
+    assert torch.equal(x.cpu(), torch.arange(6.0))
+    x.add_(x)
+    torch.zeros(3, device="tpu").expand(2, 3).fill_(1)  # fill_ allows it, as on the CPU
+    assert torch.equal(x.cpu(), torch.arange(6.0) * 2)
+
+
+def test_multinomial_and_index_add_validate_like_the_cpu():
+    with pytest.raises(RuntimeError, match="n_sample <= 0"):
+        torch.multinomial(torch.ones(3, device="tpu"), 0)
+    with raises_by_sync(RuntimeError):
+        torch.multinomial(torch.tensor([0.5, -1.0], device="tpu"), 1)
+    with pytest.raises(RuntimeError, match="source tensor shape must match"):
+        torch.zeros(3, 2, device="tpu").index_add(0, torch.tensor([0], device="tpu"), torch.ones(1, 3, device="tpu"))
+    with pytest.raises(RuntimeError, match="from=3 > to=-1"):
+        torch.empty(3, device="tpu").uniform_(3, -1)

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten
 from .._device import runtime, storage
 from .._device.dtypes import to_jax_dtype, to_torch_dtype
 from .._ops import registry
-from . import debug, fused, metrics, modes, strided, sync
+from . import debug, fused, metrics, modes, overlap, strided, sync
 from .random import next_key_parts, key_from_parts
 
 _T, _TOPT, _TLIST, _SCALAR, _STATIC, _DEVICE, _SCALARLIST = range(7)
@@ -299,6 +299,7 @@ class OpKernel:
             return compiled
 
     def _build(self, vals, buffers, scalars, device):
+        overlap.check(self, vals, resized=False)
         compiled = _Compiled()
         pos, kw = self._meta_args(vals)
         if self.low.eager:
@@ -306,6 +307,7 @@ class OpKernel:
         else:
             meta_out = self.overload(*pos, **kw)
             self._resize_outs(vals, pos, kw)
+            overlap.check(self, vals, resized=True)
 
         # Where each return comes from: a fresh output (None) or a mutated argument (its index).
         returns = [self._aliased_input(r) if r.alias_info is not None and r.alias_info.is_write

@@ -4,7 +4,13 @@ import jax.numpy as jnp
 from .registry import lowering
 
 
-@lowering("aten::cat.default", promote=True)
+def _check_cat(tensors, dim=0):
+    for i, t in enumerate(tensors):
+        if t.dim() == 0:
+            raise RuntimeError(f"zero-dimensional tensor (at position {i}) cannot be concatenated")
+
+
+@lowering("aten::cat.default", promote=True, validate=_check_cat)
 def cat(tensors, dim=0):
     tensors = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0)] or tensors[:1]
     return jnp.concatenate(tensors, axis=dim)

@@ -1,0 +1,72 @@
+"""PyTorch's memory-overlap errors for ops that write into existing tensors (in-place, out=).
+
+A tpu op computes every result from the old values before writing, so an overlapping write
+would quietly give an answer where PyTorch raises. The rules are ATen's (MemoryOverlap.h):
+elementwise ops refuse an output that maps several elements to one address, and one that
+partly overlaps an input; ops that gather (cat, index_select, take...) refuse any overlap.
+They depend only on layouts and which storages are shared, so they run when an op's
+executable is built, and cached executables never needed them."""
+import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
+
+_NO_OVERLAP = {"aten::cat", "aten::index_select", "aten::take", "aten::masked_select",
+               "aten::gather"}
+# Ops that only refuse an output mapping several elements to one address.
+_OUTPUT_ONLY = {"aten::bernoulli", "aten::bernoulli_", "aten::uniform_", "aten::normal_", "aten::random_",
+                "aten::exponential_", "aten::geometric_", "aten::cauchy_", "aten::log_normal_"}
+
+_INTERNAL = ("unsupported operation: more than one element of the written-to tensor refers to a "
+             "single memory location. Please clone() the tensor before performing the operation.")
+_BETWEEN = ("unsupported operation: some elements of the input tensor and the written-to tensor "
+            "refer to a single memory location. Please clone() the tensor before performing the "
+            "operation.")
+_NONE, _PARTIAL, _FULL = range(3)
+
+
+def check(kernel, vals, resized):
+    """Raise PyTorch's error if `kernel`'s call on `vals` writes overlapping memory. ATen's
+    gathering and random ops check the outputs they are given; elementwise ops check them once
+    resized (`resized`)."""
+    name = kernel.overload._schema.name
+    if kernel.low.promote is True and name not in _NO_OVERLAP:
+        if not resized:
+            return
+    elif resized or name not in _NO_OVERLAP and name not in _OUTPUT_ONLY:
+        return
+    written, read = [], []
+    for i, (a, v) in enumerate(zip(kernel.args, vals)):
+        tensors = [t for t in (v if isinstance(v, (list, tuple)) else [v])
+                   if isinstance(t, torch.Tensor) and t.device.type == "tpu"]
+        (written if a.is_write else read).extend(tensors)
+    for w in written:
+        if _internal_overlap(w):
+            raise RuntimeError(_INTERNAL)
+        if name in _OUTPUT_ONLY:
+            continue
+        for r in read:
+            status = _overlap(w, r)
+            if status == _PARTIAL or (status == _FULL and name in _NO_OVERLAP):
+                raise RuntimeError(_BETWEEN)
+
+
+def _internal_overlap(t):
+    if is_non_overlapping_and_dense(t):
+        return False
+    return any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride()))
+
+
+def _overlap(a, b):
+    if a is b:
+        return _FULL
+    if a.numel() == 0 or b.numel() == 0:
+        return _NONE
+    if not (is_non_overlapping_and_dense(a) and is_non_overlapping_and_dense(b)):
+        return _NONE  # ATen: too hard to tell, allowed
+    if a.untyped_storage()._tpu is not b.untyped_storage()._tpu:
+        return _NONE
+    a_begin = a.storage_offset() * a.element_size()
+    b_begin = b.storage_offset() * b.element_size()
+    a_end, b_end = a_begin + a.numel() * a.element_size(), b_begin + b.numel() * b.element_size()
+    if a_begin == b_begin and a_end == b_end:
+        return _FULL if a.stride() == b.stride() else _PARTIAL
+    return _PARTIAL if a_begin < b_end and b_begin < a_end else _NONE
