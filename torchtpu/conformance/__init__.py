@@ -198,10 +198,18 @@ def _fix_device_kwargs(kwargs, device):
     return out
 
 
-def _sample_parts(sample, device):
+# Positional arguments an OpInfo creates on the CPU whatever the device under test (the op
+# requires them there, e.g. tensor_split's tensor_indices_or_sections).
+_HOST_ARGS = {"tensor_split": (0,)}
+
+
+def _sample_parts(sample, device, name=None):
     inp, args, kwargs = _to_device((sample.input, sample.args, sample.kwargs), device)
     if device != "cpu":
         kwargs = _fix_device_kwargs(kwargs, device)
+        host = _HOST_ARGS.get(name, ())
+        args = tuple(_to_device(sample.args[i], "cpu") if i in host else a
+                     for i, a in enumerate(args))
     return inp, args, kwargs
 
 
@@ -341,7 +349,7 @@ def run_sample(op, sample, *, grad=False, values=True, seed=0):
         cpu_exc = None
     except Exception as exc:  # the CPU rejects the sample: tpu must raise the same type
         cpu_exc = exc
-    tpu_in, tpu_args, tpu_kwargs = _sample_parts(sample, "tpu")
+    tpu_in, tpu_args, tpu_kwargs = _sample_parts(sample, "tpu", full_name(op))
     try:
         actual = op(tpu_in, *tpu_args, **tpu_kwargs)
         _sync()  # a deferred (fused) op raises its error here at the latest
@@ -577,7 +585,7 @@ def _run_error_inputs(op, timeout):
             want = type(exc)
         try:
             _alarm(timeout)
-            tpu_in, tpu_args, tpu_kwargs = _sample_parts(s, "tpu")
+            tpu_in, tpu_args, tpu_kwargs = _sample_parts(s, "tpu", full_name(op))
             op(tpu_in, *tpu_args, **tpu_kwargs)
             _sync()
             _record(entry, "mismatch", f"error input {k}: tpu raises nothing, CPU raises {want.__name__}")
