@@ -6,8 +6,10 @@ stale. Its tpu kernel runs the functional form (`_native_batch_norm_legit_functi
 returns the new statistics, and is also what compiled graphs contain) and copies them back.
 """
 import jax.numpy as jnp
+import numpy as np
 import torch
 
+from .nn import inverse_sqrt, round_to
 from .registry import lowering
 
 aten = torch.ops.aten
@@ -21,20 +23,43 @@ def _per_channel(v, x):
     return v.reshape((1, -1) + (1,) * (x.ndim - 2))
 
 
+_HALF = (jnp.bfloat16, jnp.float16)
+
+
+def _stats_dtype(x, *params):
+    """The dtype PyTorch's CPU kernel keeps statistics in: a half-precision input's own type,
+    unless some parameter is float32 ("mixed type"), then float32."""
+    if x.dtype in _HALF and not any(p is not None and p.dtype == jnp.float32 for p in params):
+        return x.dtype
+    return jnp.promote_types(x.dtype, jnp.float32)
+
+
 def _normalise(x, mean, invstd, weight, bias):
-    y = (x - _per_channel(mean, x)) * _per_channel(invstd, x)
-    if weight is not None:
-        y = y * _per_channel(weight, x)
+    # As the CPU kernel: y = x * alpha + beta, alpha and beta per channel in float32 from the
+    # statistics as stored (rounded to half for a half-precision batch norm), y rounded once.
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    alpha = invstd.astype(acc) if weight is None else invstd.astype(acc) * weight.astype(acc)
+    beta = -mean.astype(acc) * alpha
     if bias is not None:
-        y = y + _per_channel(bias, x)
-    return y
+        beta = bias.astype(acc) + beta
+    return x.astype(acc) * _per_channel(alpha, x) + _per_channel(beta, x)
 
 
-def _batch_stats(x, eps):
-    xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+def _batch_stats(x, eps, sdt):
+    """(mean, sum of squared deviations, invstd) as PyTorch's CPU kernel gets them: in float32,
+    mean and invstd rounded to the statistics' dtype `sdt`; for bfloat16 also var_sum, and
+    var_sum / n is a bfloat16 division."""
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    xf = x.astype(acc)
     mean = xf.mean(_axes(x))
-    var = ((xf - _per_channel(mean, x)) ** 2).mean(_axes(x))
-    return xf, mean, var, 1.0 / jnp.sqrt(var + eps)
+    var_sum = ((xf - _per_channel(mean, x)) ** 2).sum(_axes(x))
+    n = jnp.asarray(x.size // x.shape[1], acc)
+    if sdt == jnp.bfloat16:
+        var_sum = round_to(var_sum, sdt)
+        var = round_to(var_sum / round_to(n, sdt), sdt)
+    else:
+        var = var_sum / n
+    return mean, var_sum, round_to(inverse_sqrt(var + eps), sdt)
 
 
 @lowering("aten::_native_batch_norm_legit_functional")
@@ -43,27 +68,43 @@ def batch_norm_functional(x, weight, bias, running_mean, running_var, training, 
         out, mean, invstd = batch_norm_no_training(x, weight, bias, running_mean, running_var,
                                                    momentum, eps)
         return out, mean, invstd, running_mean, running_var
-    xf, mean, var, invstd = _batch_stats(x, eps)
+    sdt = _stats_dtype(x, weight, bias, running_mean, running_var)
+    mean, var_sum, invstd = _batch_stats(x, eps, sdt)
     n = x.size // x.shape[1]
-    unbiased = var * (n / max(n - 1, 1))
-    new_mean = (1 - momentum) * running_mean + momentum * mean.astype(running_mean.dtype)
-    new_var = (1 - momentum) * running_var + momentum * unbiased.astype(running_var.dtype)
-    return _normalise(xf, mean, invstd, weight, bias), mean, invstd, new_mean, new_var
+    rm, rv = running_mean.astype(mean.dtype), running_var.astype(mean.dtype)
+    if sdt == jnp.bfloat16:
+        # The CPU kernel's bfloat16 arithmetic, rounding after every operation (momentum
+        # itself rounded first): m * mean + (1 - m) * running_mean, var_sum / (n - 1).
+        r = lambda v: round_to(v, sdt)
+        m = float(np.asarray(momentum, sdt))
+        keep = float(np.asarray(1 - m, sdt))
+        unbiased = r(var_sum / r(jnp.asarray(max(n - 1, 1), var_sum.dtype)))
+        new_mean = r(r(m * r(mean)) + r(keep * rm))
+        new_var = r(m * unbiased + r(keep * rv))
+    else:  # float32 arithmetic (float64 for float64), rounded once
+        m = float(np.float32(momentum)) if sdt == jnp.float16 else momentum
+        new_mean = m * mean + (1 - m) * rm
+        new_var = m * (var_sum / max(n - 1, 1)) + (1 - m) * rv
+    mean = round_to(mean, sdt)
+    return (_normalise(x, mean, invstd, weight, bias), mean, invstd,
+            new_mean.astype(running_mean.dtype), new_var.astype(running_var.dtype))
 
 
 @lowering("aten::_native_batch_norm_legit.no_stats")
 def batch_norm_no_stats(x, weight, bias, training, momentum, eps):
-    xf, mean, var, invstd = _batch_stats(x, eps)
-    return _normalise(xf, mean, invstd, weight, bias), mean, invstd
+    sdt = _stats_dtype(x, weight, bias)
+    mean, _, invstd = _batch_stats(x, eps, sdt)
+    mean = round_to(mean, sdt)
+    return _normalise(x, mean, invstd, weight, bias), mean, invstd
 
 
 @lowering("aten::_native_batch_norm_legit_no_training")
 def batch_norm_no_training(x, weight, bias, running_mean, running_var, momentum, eps):
     # (PyTorch's meta kernel, which fixes the output shapes here, gives the per-channel
     # statistics; the CPU kernel returns empty tensors for them.)
-    xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    invstd = 1.0 / jnp.sqrt(running_var + eps)
-    return _normalise(xf, running_mean, invstd, weight, bias), running_mean, invstd
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    invstd = inverse_sqrt(running_var.astype(acc) + jnp.asarray(eps, acc))
+    return _normalise(x, running_mean, invstd, weight, bias), running_mean, invstd
 
 
 @lowering("aten::native_batch_norm_backward")
@@ -91,23 +132,40 @@ def batch_norm_backward(grad, x, weight, running_mean, running_var, save_mean, s
 
 # --- the eager ops with in-place running statistics --------------------------------------
 
+def _saved_dtype(x, *params):
+    """The dtype of the statistics PyTorch's CPU kernels return (PyTorch's meta kernels, which
+    fix the table ops' output dtypes, say float32 for any half-precision input, as on CUDA)."""
+    if x.dtype in (torch.float16, torch.bfloat16) and any(
+            p is not None and p.dtype == torch.float32 for p in params):
+        return torch.float32
+    return x.dtype
+
+
+def _no_stats(x, weight, bias, training, momentum, eps):
+    from .._execution.kernels import kernel_for
+    out, mean, invstd = kernel_for(aten._native_batch_norm_legit.no_stats)(
+        x, weight, bias, training, momentum, eps)
+    dtype = _saved_dtype(x, weight, bias)
+    return out, mean.to(dtype), invstd.to(dtype)
+
+
 def _with_update(x, weight, bias, running_mean, running_var, training, momentum, eps):
     if running_mean is None or running_var is None:
         if not training:
             raise RuntimeError("running_mean and running_var must be defined in evaluation mode")
         return aten._native_batch_norm_legit.no_stats(x, weight, bias, True, momentum, eps)
+    dtype = _saved_dtype(x, weight, bias, running_mean, running_var)
     if not training:
         out, _, _ = aten._native_batch_norm_legit_no_training(x, weight, bias, running_mean,
                                                                running_var, momentum, eps)
         # In evaluation nothing is saved for backward: empty, as the CPU kernel returns.
-        stats_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-        empty = x.new_empty((0,), dtype=stats_dtype)
+        empty = x.new_empty((0,), dtype=dtype)
         return out, empty, empty.clone()
     out, mean, invstd, new_mean, new_var = aten._native_batch_norm_legit_functional(
         x, weight, bias, running_mean, running_var, True, momentum, eps)
     running_mean.copy_(new_mean)
     running_var.copy_(new_var)
-    return out, mean, invstd
+    return out, mean.to(dtype), invstd.to(dtype)
 
 
 def _batch_norm_with_update(x, weight, bias, running_mean, running_var, momentum, eps):
@@ -118,9 +176,21 @@ def _batch_norm_with_update(x, weight, bias, running_mean, running_var, momentum
     return out, mean, invstd, x.new_empty((0,), dtype=torch.uint8)
 
 
+def _native_layer_norm(x, normalized_shape, weight, bias, eps):
+    # Layer norm's saved mean/rstd have the same CPU-vs-meta dtype difference.
+    from .._execution.kernels import kernel_for
+    out, mean, rstd = kernel_for(aten.native_layer_norm.default)(x, normalized_shape, weight,
+                                                                 bias, eps)
+    dtype = _saved_dtype(x, weight, bias)
+    return out, mean.to(dtype), rstd.to(dtype)
+
+
 def register(lib):
-    lib.impl(aten.native_batch_norm.default, _with_update, "PrivateUse1")
-    lib.impl(aten._native_batch_norm_legit.default, _with_update, "PrivateUse1")
-    lib.impl(aten._batch_norm_with_update.default, _batch_norm_with_update, "PrivateUse1")
-    return {aten.native_batch_norm.default, aten._native_batch_norm_legit.default,
-            aten._batch_norm_with_update.default}
+    ops = {aten.native_batch_norm.default: _with_update,
+           aten._native_batch_norm_legit.default: _with_update,
+           aten._native_batch_norm_legit.no_stats: _no_stats,
+           aten._batch_norm_with_update.default: _batch_norm_with_update,
+           aten.native_layer_norm.default: _native_layer_norm}
+    for op, kernel in ops.items():
+        lib.impl(op, kernel, "PrivateUse1")
+    return set(ops)

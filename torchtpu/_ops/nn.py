@@ -1,8 +1,13 @@
 """Neural-network ops and their backward ops (backward lowerings reuse the forward through
 jax.vjp where PyTorch's formula is just the derivative)."""
+import functools
+import itertools
+import operator
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import torch
 from jax import lax
 
 from .registry import lowering
@@ -10,6 +15,45 @@ from .registry import lowering
 
 def _float(x):
     return x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.float32)
+
+
+def round_to(v, dtype):
+    """Float32 `v` rounded to the half-precision `dtype` (kept in float32), where a PyTorch CPU
+    kernel stores an intermediate in that type. XLA may drop a `.astype(half).astype(float32)`
+    pair (it allows excess precision), never a reduce_precision."""
+    if isinstance(v, (int, float)):  # a static value: rounded here
+        return float(np.asarray(v, dtype)) if dtype in (jnp.bfloat16, jnp.float16) else v
+    if dtype == jnp.bfloat16:
+        return lax.reduce_precision(v, 8, 7)
+    if dtype == jnp.float16:
+        # reduce_precision flushes float16's subnormals: they are the multiples of 2**-24.
+        return jnp.where(jnp.abs(v) < 2.0 ** -14, jnp.round(v * 2.0 ** 24) * 2.0 ** -24,
+                         lax.reduce_precision(v, 5, 10))
+    return v
+
+
+def inverse_sqrt(v):
+    """1 / sqrt(v) correctly rounded, as PyTorch's CPU kernels compute it: XLA would otherwise
+    turn it into its rsqrt, which is not."""
+    return 1 / lax.optimization_barrier(jnp.sqrt(v))
+
+
+def fma(a, b, c):
+    """a * b + c in float32 rounded once, as the fused multiply-add PyTorch's CPU kernels
+    compile to (XLA has none): the product's rounding error, exact by Dekker's splitting, and
+    the sum's, exact by TwoSum, are added back. It matters where the sum cancels."""
+    def split(v):
+        t = v * 4097.0
+        hi = t - (t - v)
+        return hi, v - hi
+
+    p = a * b
+    (ah, al), (bh, bl) = split(a), split(b)
+    p_err = ((ah * bh - p) + ah * bl + al * bh) + al * bl
+    s = p + c
+    v = s - p
+    s_err = (p - (s - v)) + (c - v)
+    return s + (s_err + p_err)
 
 
 @lowering("aten::relu.default")
@@ -31,12 +75,12 @@ def _gelu(x, approximate="none"):
     return jax.nn.gelu(x, approximate=approximate == "tanh")
 
 
-@lowering("aten::gelu.default")
+@lowering("aten::gelu.default", opmath=True)
 def gelu(x, approximate="none"):
     return _gelu(x, approximate)
 
 
-@lowering("aten::gelu_backward.default")
+@lowering("aten::gelu_backward.default", opmath=True)
 def gelu_backward(grad, x, approximate="none"):
     return jax.vjp(lambda v: _gelu(v, approximate), x)[1](grad)[0]
 
@@ -107,7 +151,7 @@ def log_softmax(x, dim, half_to_float=False):
     return jax.nn.log_softmax(x, axis=dim)
 
 
-@lowering("aten::_softmax_backward_data.default")
+@lowering("aten::_softmax_backward_data.default", opmath=True)
 def softmax_backward(grad, y, dim, input_dtype):
     return (grad - jnp.sum(grad * y, axis=_axis(y, dim), keepdims=True)) * y
 
@@ -119,16 +163,25 @@ def log_softmax_backward(grad, y, dim, input_dtype):
 
 def _layer_norm(x, normalized_shape, weight, bias, eps):
     axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
-    xf = x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x
+    half = x.dtype in (jnp.bfloat16, jnp.float16)
+    xf = x.astype(jnp.float32) if half else x
     mean = jnp.mean(xf, axis=axes, keepdims=True)
     var = jnp.mean(jnp.square(xf - mean), axis=axes, keepdims=True)
-    rstd = lax.rsqrt(var + eps)
-    y = ((xf - mean) * rstd).astype(x.dtype)
-    if weight is not None:
-        y = y * weight
-    if bias is not None:
-        y = y + bias
-    return y, mean, rstd
+    rstd = inverse_sqrt(var + eps)
+    if not half:
+        y = (xf - mean) * rstd
+        y = y * weight if weight is not None else y
+        return (y + bias if bias is not None else y), mean, rstd
+    # PyTorch's CPU kernel for half inputs: float32 throughout, with fused multiply-adds
+    # (x * rstd - rstd * mean) * weight + bias, and the result rounded once.
+    y = fma(xf, rstd, -rstd * mean)
+    if weight is not None and bias is not None:
+        y = fma(y, weight.astype(y.dtype), bias.astype(y.dtype))
+    elif weight is not None:
+        y = y * weight.astype(y.dtype)
+    elif bias is not None:
+        y = y + bias.astype(y.dtype)
+    return y.astype(x.dtype), mean, rstd
 
 
 @lowering("aten::native_layer_norm.default")
@@ -138,18 +191,36 @@ def native_layer_norm(x, normalized_shape, weight, bias, eps):
 
 @lowering("aten::native_layer_norm_backward.default")
 def native_layer_norm_backward(grad, x, normalized_shape, mean, rstd, weight, bias, output_mask):
-    # The saved mean/rstd (eps already folded in) give the closed-form gradient directly.
+    # The saved mean/rstd (eps already folded in) give the closed-form gradient directly;
+    # in float32 at least (the CPU kernel's saved statistics may be half precision).
     axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
-    xf = x.astype(mean.dtype)
+    acc = jnp.promote_types(mean.dtype, jnp.float32)
+    mean, rstd = mean.astype(acc), rstd.astype(acc)
+    xf = x.astype(acc)
     xhat = (xf - mean) * rstd
-    g = grad.astype(mean.dtype)
-    gw = g * weight.astype(mean.dtype) if weight is not None else g
+    g = grad.astype(acc)
+    gw = g * weight.astype(acc) if weight is not None else g
     dx = rstd * (gw - jnp.mean(gw, axis=axes, keepdims=True)
                  - xhat * jnp.mean(gw * xhat, axis=axes, keepdims=True))
     lead = tuple(range(x.ndim - len(normalized_shape)))
     dw = jnp.sum(g * xhat, axis=lead) if weight is not None and output_mask[1] else None
     db = jnp.sum(g, axis=lead) if bias is not None and output_mask[2] else None
     return (dx.astype(x.dtype) if output_mask[0] else None), dw, db
+
+
+@lowering("aten::native_group_norm.default", opmath=True)
+def native_group_norm(x, weight, bias, n, c, hw, group, eps):
+    xg = x.reshape(n, group, (c // group) * hw)
+    mean = xg.mean(-1)
+    centred = xg - mean[..., None]
+    rstd = inverse_sqrt(jnp.square(centred).mean(-1) + eps)
+    y = (centred * rstd[..., None]).reshape(x.shape)
+    per_channel = (1, c) + (1,) * (x.ndim - 2)
+    if weight is not None:
+        y = y * weight.reshape(per_channel)
+    if bias is not None:
+        y = y + bias.reshape(per_channel)
+    return y, mean, rstd
 
 
 @lowering("aten::embedding.default")
@@ -299,65 +370,135 @@ def pdist_backward(grad, x, p, pdist):
     return jax.vjp(lambda a: _pdist(a, p), x)[1](grad)[0]
 
 
-# --- grid_sampler_3d: PyTorch's coordinate rules (unnormalise, pad, then interpolate) ----------
-def _unnormalize(coord, size, align_corners):
+# --- grid sampling: PyTorch's CPU kernels step by step ---------------------------------------
+# For float16/bfloat16 those kernels compute in the half type, rounding after every operation
+# (the 2-D kernel on at::Vectorized<half>, the 3-D one on scalars); `r` rounds likewise here (a
+# no-op for float32/float64). The 2-D and 3-D kernels also order their arithmetic differently.
+
+def _unnormalize(r, coord, size, align_corners, vectorized):
+    if vectorized:  # (c + 1) * scale [- 0.5], scale = half(size [- 1]) / 2
+        if align_corners:
+            return r(r(coord + 1) * r(r(size - 1) / 2))
+        return r(r(r(coord + 1) * r(r(size) / 2)) - 0.5)
     if align_corners:
-        return (coord + 1) / 2 * (size - 1)
-    return ((coord + 1) * size - 1) / 2
+        return r(r(r(coord + 1) / 2) * r(size - 1))
+    return r(r(r(r(coord + 1) * r(size)) - 1) / 2)
 
 
-def _reflect(coord, twice_low, twice_high):
+def _clip(coord, size):
+    # Zero for NaN, and a zero gradient at both borders, as PyTorch's kernels give.
+    coord = jnp.where(coord > 0, coord, 0)
+    return jnp.where(coord < size - 1, coord, size - 1)
+
+
+def _reflect(r, coord, size, align_corners, vectorized):
+    if vectorized:  # about [low, low + span], through twice the span
+        if align_corners and size <= 1:
+            return jnp.zeros_like(coord)
+        low = 0.0 if align_corners else -0.5
+        twice_span = r(r(size - 1 if align_corners else size) * 2)
+        folded = jnp.abs(r(coord - low))
+        extra = r(folded - r(jnp.trunc(r(folded / twice_span)) * twice_span))
+        return r(jnp.minimum(extra, r(twice_span - extra)) + low)
+    twice_low, twice_high = (0, 2 * (size - 1)) if align_corners else (-1, 2 * size - 1)
     if twice_low == twice_high:
         return jnp.zeros_like(coord)
-    low, span = twice_low / 2, (twice_high - twice_low) / 2
-    distance = jnp.abs(coord - low)
-    extra = jnp.fmod(distance, span)
-    flips = jnp.floor(distance / span)
-    return jnp.where(flips % 2 == 0, extra + low, span - extra + low)
+    low, span = r(r(twice_low) / 2), r(r(twice_high - twice_low) / 2)
+    folded = jnp.abs(r(coord - low))
+    extra = jnp.fmod(folded, span)
+    flips = jnp.floor(r(folded / span))
+    return jnp.where(flips % 2 == 0, r(extra + low), r(r(span - extra) + low))
 
 
-def _source_index(coord, size, padding_mode, align_corners):
-    coord = _unnormalize(coord, size, align_corners)
+def _pad_coordinates(r, coord, size, padding_mode, align_corners, vectorized):
     if padding_mode == 1:  # border
-        coord = jnp.clip(coord, 0, size - 1)
-    elif padding_mode == 2:  # reflection
-        coord = _reflect(coord, 0, 2 * (size - 1)) if align_corners else \
-            _reflect(coord, -1, 2 * size - 1)
-        coord = jnp.clip(coord, 0, size - 1)
+        return _clip(coord, size)
+    if padding_mode == 2:  # reflection
+        return _clip(_reflect(r, coord, size, align_corners, vectorized), size)
     return coord
+
+
+def _gather(x, index, sizes):
+    """x (N, C, *sizes) at integer positions `index` (per dim, each (N, *out)) as (N, C, *out),
+    zero where outside the input."""
+    inside = functools.reduce(operator.and_, [(i >= 0) & (i < n) for i, n in zip(index, sizes)])
+    safe = [jnp.clip(i, 0, n - 1) for i, n in zip(index, sizes)]
+    values = jax.vmap(lambda v, *ii: v[(slice(None),) + tuple(ii)])(x, *safe)
+    return jnp.where(inside[:, None], values, 0)
+
+
+def _cubic_coefficients(r, t):
+    a = -0.75  # 5a, 8a, 4a, a + 2 and a + 3 are exact in every float type
+
+    def far(v):  # 1 < |v| < 2
+        return r(r(r(r(r(r(a * v) - 5 * a) * v) + 8 * a) * v) - 4 * a)
+
+    def near(v):  # |v| <= 1
+        return r(r(r(r(r((a + 2) * v) - (a + 3)) * v) * v) + 1)
+
+    return [far(r(t + 1)), near(t), near(r(1 - t)), far(r(2 - t))]
+
+
+def _grid_sample(x, grid, interpolation_mode, padding_mode, align_corners):
+    nd = x.ndim - 2
+    vectorized = nd == 2
+    half = x.dtype in (jnp.bfloat16, jnp.float16)
+    r = (lambda v: round_to(v, x.dtype)) if half else (lambda v: v)
+    acc = jnp.float32 if half else x.dtype
+    xs, grid = x.astype(acc), grid.astype(acc)
+    sizes = x.shape[2:]
+    coords = [_unnormalize(r, grid[..., nd - 1 - i], n, align_corners, vectorized)
+              for i, n in enumerate(sizes)]  # per input dim, in (D,) H, W order
+    if interpolation_mode == 2:  # bicubic (2-D only): padding applies to each tap
+        base = [jnp.floor(c) for c in coords]
+        cy, cx = (_cubic_coefficients(r, r(c - b)) for c, b in zip(coords, base))
+        rows = []
+        for i in range(4):
+            yy = _pad_coordinates(r, r(base[0] + (i - 1)), sizes[0], padding_mode,
+                                  align_corners, True).astype(jnp.int32)
+            row = None
+            for j in range(4):
+                xx = _pad_coordinates(r, r(base[1] + (j - 1)), sizes[1], padding_mode,
+                                      align_corners, True).astype(jnp.int32)
+                term = r(cx[j][:, None] * _gather(xs, (yy, xx), sizes))
+                row = term if row is None else r(row + term)
+            rows.append(row)
+        out = None
+        for i in range(4):
+            term = r(cy[i][:, None] * rows[i])
+            out = term if out is None else r(out + term)
+        return out.astype(x.dtype)
+    coords = [_pad_coordinates(r, c, n, padding_mode, align_corners, vectorized)
+              for c, n in zip(coords, sizes)]
+    if interpolation_mode == 1:  # nearest, halves to even
+        index = [jnp.round(c).astype(jnp.int32) for c in coords]
+        return _gather(xs, index, sizes).astype(x.dtype)
+    low = [jnp.floor(c) for c in coords]
+    above = [r(c - l) for c, l in zip(coords, low)]  # weight of the upper neighbour
+    below = [r(1 - a) for a in above] if vectorized else \
+        [r(r(l + 1) - c) for c, l in zip(coords, low)]
+    out = None
+    # Corners in the kernels' order (last dim fastest), each weight a product over dims.
+    for corner in itertools.product((0, 1), repeat=nd):
+        ws = [(above if c else below)[i] for i, c in enumerate(corner)]
+        # 2-D: nw = s * e (the row's weight first); 3-D: tnw = (x) * (y) * (z).
+        w = functools.reduce(lambda p, q: r(p * q), ws if vectorized else ws[::-1])
+        index = [(l + c).astype(jnp.int32) for l, c in zip(low, corner)]
+        term = r(_gather(xs, index, sizes) * w[:, None])
+        out = term if out is None else r(out + term)
+    return out.astype(x.dtype)
+
+
+@lowering("aten::grid_sampler_2d.default")
+def grid_sampler_2d(x, grid, interpolation_mode, padding_mode, align_corners):
+    return _grid_sample(x, grid, interpolation_mode, padding_mode, align_corners)
 
 
 @lowering("aten::grid_sampler_3d.default")
 def grid_sampler_3d(x, grid, interpolation_mode, padding_mode, align_corners):
     if interpolation_mode not in (0, 1):
         raise RuntimeError("grid_sampler(): bicubic interpolation only supports 4D input")
-    d, h, w = x.shape[2:]
-    ix = _source_index(grid[..., 0], w, padding_mode, align_corners)
-    iy = _source_index(grid[..., 1], h, padding_mode, align_corners)
-    iz = _source_index(grid[..., 2], d, padding_mode, align_corners)
-
-    def corner(vol, z, y, xx):  # vol: (C, D, H, W); z, y, xx: int (Do, Ho, Wo)
-        ok = (z >= 0) & (z < d) & (y >= 0) & (y < h) & (xx >= 0) & (xx < w)
-        v = vol[:, jnp.clip(z, 0, d - 1), jnp.clip(y, 0, h - 1), jnp.clip(xx, 0, w - 1)]
-        return jnp.where(ok, v, 0)
-
-    def sample(vol, z, y, xx):
-        if interpolation_mode == 1:  # nearest (round half to even, as nearbyint does)
-            return corner(vol, jnp.round(z).astype(jnp.int32), jnp.round(y).astype(jnp.int32),
-                          jnp.round(xx).astype(jnp.int32))
-        z0, y0, x0 = (jnp.floor(c) for c in (z, y, xx))
-        out = 0
-        for dz in (0, 1):
-            for dy in (0, 1):
-                for dx in (0, 1):
-                    weight = ((1 - jnp.abs(z - (z0 + dz))) * (1 - jnp.abs(y - (y0 + dy)))
-                              * (1 - jnp.abs(xx - (x0 + dx))))
-                    out = out + weight * corner(vol, (z0 + dz).astype(jnp.int32),
-                                                (y0 + dy).astype(jnp.int32),
-                                                (x0 + dx).astype(jnp.int32))
-        return out
-
-    return jax.vmap(sample)(x, iz, iy, ix).astype(x.dtype)
+    return _grid_sample(x, grid, interpolation_mode, padding_mode, align_corners)
 
 
 # --- embedding_bag -----------------------------------------------------------------------------
@@ -440,6 +581,168 @@ def embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum
                                         per_sample_weights, padding_idx)
 
 
+# --- linear upsampling: PyTorch's CPU kernel (weights per output index, then a weighted sum) ---
+def _source_index(in_size, out_size, align_corners, scale, f, cubic=False):
+    i = np.arange(out_size).astype(f)
+    if align_corners:
+        return (f(in_size - 1) / f(out_size - 1) if out_size > 1 else f(0)) * i
+    ratio = f(1.0 / scale) if scale is not None and scale > 0 else f(in_size) / f(out_size)
+    src = (ratio * (i + f(0.5)) - f(0.5)).astype(f)
+    return src if cubic else np.maximum(src, f(0))
+
+
+def _linear_taps(in_size, out_size, align_corners, scale, dtype):
+    """([index0, index1], [weight0, weight1]) per output index, as PyTorch's CPU kernel
+    computes them: in float32 (float64 for float64), the weights stored in the input's dtype."""
+    f = np.float64 if dtype == jnp.float64 else np.float32
+    if out_size == in_size:  # a copy
+        i = np.arange(out_size)
+        return [i, i], [np.ones(out_size, f), np.zeros(out_size, f)]
+    src = _source_index(in_size, out_size, align_corners, scale, f)
+    i0 = np.minimum(np.floor(src).astype(np.int64), in_size - 1)
+    w1 = np.clip(src - i0.astype(f), 0, 1).astype(dtype)  # lambda1, then 1 - lambda1, stored
+    w0 = (1 - w1.astype(f)).astype(dtype)
+    return [i0, np.minimum(i0 + 1, in_size - 1)], [w0.astype(f), w1.astype(f)]
+
+
+def _cubic_taps(in_size, out_size, align_corners, scale, dtype):
+    """Four (index, weight) taps per output index: PyTorch's cubic convolution (A = -0.75)
+    in float32, indices clamped to the input, the weights stored in the input's dtype."""
+    f = np.float64 if dtype == jnp.float64 else np.float32
+    src = _source_index(in_size, out_size, align_corners, scale, f, cubic=True)
+    i0 = np.minimum(np.floor(src).astype(np.int64), in_size - 1)
+    t = np.clip(src - i0.astype(f), 0, 1).astype(f)
+    a = f(-0.75)
+    near = lambda v: ((a + 2) * v - (a + 3)) * v * v + 1
+    far = lambda v: ((a * v - 5 * a) * v + 8 * a) * v - 4 * a
+    weights = [far(t + f(1)), near(t), near(f(1) - t), far(f(1) - t + f(1))]
+    return ([np.clip(i0 + k - 1, 0, in_size - 1) for k in range(4)],
+            [w.astype(f).astype(dtype).astype(f) for w in weights])
+
+
+def _upsample_linear(x, output_size, align_corners, scales, taps=_linear_taps):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise NotImplementedError(f"interpolation of {x.dtype} tensors on tpu")
+    acc = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+    y = x.astype(acc)
+    nd = len(output_size)
+    # One dimension at a time from the last: the same products and sums, in the same order,
+    # as the CPU kernel's nested evaluation, in float32; the result rounded once.
+    for d in reversed(range(nd)):
+        axis = x.ndim - nd + d
+        index, weight = taps(x.shape[axis], output_size[d], align_corners, scales[d], x.dtype)
+        shape = (-1,) + (1,) * (nd - 1 - d)
+        terms = [jnp.take(y, i, axis=axis) * w.reshape(shape) for i, w in zip(index, weight)]
+        y = functools.reduce(operator.add, terms)
+    return y.astype(x.dtype)
+
+
+@lowering("aten::upsample_linear1d.default")
+def upsample_linear1d(x, output_size, align_corners, scales=None):
+    return _upsample_linear(x, output_size, align_corners, [scales])
+
+
+def _bilinear_vectorized(x, output_size, align_corners, scales):
+    """PyTorch's channels-last CPU kernel, which it also picks for small outputs: float32
+    weights (never rounded to half), w00 = h0 * w0 ..., summed over the four corners."""
+    acc = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+    (hs, hws), (ws, wws) = (
+        _linear_taps(x.shape[-2 + d], output_size[d], align_corners, scales[d], acc)
+        for d in (0, 1))
+    xf = x.astype(acc)
+    out = None
+    for hi, hw in zip(hs, hws):
+        rows = jnp.take(xf, hi, axis=-2)
+        for wi, ww in zip(ws, wws):
+            term = jnp.take(rows, wi, axis=-1) * (hw[:, None] * ww[None, :])
+            out = term if out is None else out + term
+    return out.astype(x.dtype)
+
+
+@lowering("aten::upsample_bilinear2d.default")
+def upsample_bilinear2d(x, output_size, align_corners, scales_h=None, scales_w=None):
+    scales = [scales_h, scales_w]
+    if x.dtype == jnp.uint8:
+        return _resize_uint8(x, output_size, align_corners, scales, antialias=False)
+    if jnp.issubdtype(x.dtype, jnp.floating) and (
+            sum(output_size) <= 128 or (x.shape[1] == 3 and torch.get_num_threads() == 1)):
+        return _bilinear_vectorized(x, output_size, align_corners, scales)
+    return _upsample_linear(x, output_size, align_corners, scales)
+
+
+@lowering("aten::upsample_bicubic2d.default")
+def upsample_bicubic2d(x, output_size, align_corners, scales_h=None, scales_w=None):
+    return _upsample_linear(x, output_size, align_corners, [scales_h, scales_w], _cubic_taps)
+
+
+@lowering("aten::upsample_trilinear3d.default")
+def upsample_trilinear3d(x, output_size, align_corners, scales_d=None, scales_h=None,
+                         scales_w=None):
+    return _upsample_linear(x, output_size, align_corners, [scales_d, scales_h, scales_w])
+
+
+# --- uint8 bilinear resize: PyTorch's CPU integer kernel (as PIL's) --------------------------
+# Weights are computed in float64 per output index, quantised to int16 with a precision shift
+# chosen from the largest weight, and each pass (width, then height; a dimension of unchanged
+# size is skipped) sums pixel * weight in int32, adds half, shifts, clamps to uint8.
+def _uint8_taps(in_size, out_size, align_corners, scale, antialias):
+    """(input index, int16 weight) per (output index, tap), and the precision shift."""
+    if align_corners:
+        scale = (in_size - 1) / (out_size - 1) if out_size > 1 else 0.0
+    else:
+        scale = 1.0 / scale if scale is not None and scale > 0 else in_size / out_size
+    tent = lambda v: max(1.0 - abs(v), 0.0)
+    support = max(scale, 1.0) if antialias else 1.0
+    taps = int(np.ceil(support)) * 2 + 1 if antialias else 2
+    weights = np.zeros((out_size, taps))
+    first = np.zeros(out_size, np.int64)
+    for i in range(out_size):
+        if antialias:  # a tent filter widened by the scale, normalised
+            center = scale * (i + 0.5)
+            inv = 1.0 / scale if scale >= 1.0 else 1.0
+            lo = max(int(center - support + 0.5), 0)
+            n = min(max(min(int(center + support + 0.5), in_size) - lo, 0), taps)
+            w = np.array([tent((j + lo - center + 0.5) * inv) for j in range(n)])
+            weights[i, :n] = w / w.sum() if w.sum() != 0 else w
+        else:  # the two linear weights, those of positions outside folded onto the border
+            src = scale * i if align_corners else max(scale * (i + 0.5) - 0.5, 0.0)
+            index = min(int(np.floor(np.float32(src))), in_size - 1)
+            lam = min(max(src - index, 0.0), 1.0)
+            lo = max(index, 0)
+            n = min(max(min(index + 2, in_size) - lo, 0), taps)
+            k = 0
+            for j in range(taps):
+                k = 0 if index + j <= 0 else n - 1 if index + j >= in_size - 1 else k
+                weights[i, k] += tent(j - lam)
+                k += 1
+        first[i] = lo
+    precision = 0
+    while precision < 22 and int(0.5 + weights.max() * (1 << (precision + 1))) < (1 << 15):
+        precision += 1
+    scaled = weights * (1 << precision)
+    w16 = np.trunc(scaled + np.where(scaled < 0, -0.5, 0.5)).astype(np.int32)
+    index = np.minimum(first[:, None] + np.arange(taps), in_size - 1)
+    return index, w16, precision
+
+
+def _resize_uint8(x, output_size, align_corners, scales, antialias):
+    y = x
+    for axis in (-1, -2):
+        out = output_size[axis]
+        if y.shape[axis] == out:
+            continue
+        index, w16, precision = _uint8_taps(y.shape[axis], out, align_corners, scales[axis],
+                                            antialias)
+        acc = jnp.full(y.shape[:axis % y.ndim] + (out,) + y.shape[y.ndim + axis + 1:],
+                       1 << (precision - 1), jnp.int32)
+        shape = (-1,) + (1,) * (-axis - 1)
+        for j in range(index.shape[1]):
+            acc = acc + jnp.take(y, index[:, j], axis=axis).astype(jnp.int32) * \
+                w16[:, j].reshape(shape)
+        y = jnp.clip(acc >> precision, 0, 255).astype(jnp.uint8)
+    return y
+
+
 # --- antialiased bilinear resize: PyTorch's (and PIL's) separable triangle filter --------------
 def _aa_weights(in_size, out_size, align_corners, scale):
     """(out, in) float32 matrix of PyTorch's antialiasing weights along one axis."""
@@ -477,6 +780,8 @@ def _aa_resize(x, output_size, align_corners, scales_h, scales_w):
 
 @lowering("aten::_upsample_bilinear2d_aa.default")
 def upsample_bilinear2d_aa(x, output_size, align_corners, scales_h=None, scales_w=None):
+    if x.dtype == jnp.uint8:
+        return _resize_uint8(x, output_size, align_corners, [scales_h, scales_w], antialias=True)
     return _aa_resize(x, output_size, align_corners, scales_h, scales_w)
 
 

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .nn import round_to
 from .registry import lowering
 
 
@@ -95,8 +96,31 @@ def _adaptive_avg(x, output_size, nd):
     return y.astype(x.dtype)
 
 
+def _adaptive_avg3d_in_half(x, output_size):
+    """PyTorch's CPU kernel for half inputs: each window summed in half precision one element
+    at a time, in (d, h, w) order, then divided by its size (a fori_loop over window offsets)."""
+    wins = [_adaptive_windows(n, o) for n, o in zip(x.shape[-3:], output_size)]
+    kd, kh, kw = (idx.shape[1] for idx, _ in wins)
+    (di, dv), (hi, hv), (wi, wv) = ((jnp.asarray(i), jnp.asarray(v)) for i, v in wins)
+    count = (dv.sum(1)[:, None, None] * hv.sum(1)[None, :, None] * wv.sum(1)[None, None, :])
+    xf = x.astype(jnp.float32)
+
+    def add(t, acc):
+        i, j, k = t // (kh * kw), t // kw % kh, t % kw
+        v = jnp.take(jnp.take(jnp.take(xf, di[:, i], axis=-3), hi[:, j], axis=-2), wi[:, k],
+                     axis=-1)
+        inside = dv[:, i, None, None] & hv[None, :, j, None] & wv[None, None, :, k]
+        return round_to(acc + jnp.where(inside, v, 0), x.dtype)
+
+    total = lax.fori_loop(0, kd * kh * kw, add,
+                          jnp.zeros(x.shape[:-3] + tuple(output_size), jnp.float32))
+    return round_to(total / count, x.dtype).astype(x.dtype)
+
+
 @lowering("aten::_adaptive_avg_pool3d.default")
 def adaptive_avg_pool3d(x, output_size):
+    if x.dtype in (jnp.bfloat16, jnp.float16) and x.size and 0 not in output_size:
+        return _adaptive_avg3d_in_half(x, output_size)
     return _adaptive_avg(x, output_size, 3)
 
 
