@@ -1,6 +1,7 @@
 """Tensor factories and random ops (random ops draw from the per-device generator)."""
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .meta import dtype_name
 from .registry import check, lowering
@@ -180,3 +181,16 @@ def logspace(start, end, steps, base=10.0, dtype=None, layout=None, device=None,
 @lowering("aten::_efficientzerotensor.default")
 def efficient_zero_tensor(size, dtype=None, layout=None, device=None, pin_memory=None):
     return jnp.zeros(tuple(size))
+
+
+def _triangle_indices(np_fn):
+    def lower(row, col, offset=0, dtype=None, layout=None, device=None, pin_memory=None):
+        # Sizes are static: the (2, N) row-major coordinates are constants of the program
+        # (the output cast gives them the requested dtype).
+        return jnp.asarray(np.stack(np_fn(row, offset, col)).reshape(2, -1), jnp.int64)
+    return lower
+
+
+lowering("aten::tril_indices.default")(_triangle_indices(np.tril_indices))
+lowering("aten::triu_indices.default")(_triangle_indices(np.triu_indices))
+

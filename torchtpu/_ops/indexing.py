@@ -1,5 +1,7 @@
 """Gather/scatter-style indexing.  JAX clamps or drops out-of-range indices; PyTorch raises,
 so every index is bounds-checked (the op synchronises on the check before committing)."""
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -68,7 +70,22 @@ def scatter(x, dim, index, src):
     return x.at[_scatter_indices(x, dim, index)].set(src)
 
 
+def _bool_via_int(*positions):
+    """PyTorch adds, multiplies and maximises bool tensors as logical or/and; JAX's scatters
+    take no bools, so they run on int32 copies of the arguments at `positions`."""
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapped(*args):
+            if args[0].dtype != jnp.bool_:
+                return fn(*args)
+            args = [a.astype(jnp.int32) if i in positions else a for i, a in enumerate(args)]
+            return fn(*args) != 0
+        return wrapped
+    return deco
+
+
 @lowering("aten::scatter_add.default")
+@_bool_via_int(0, 3)
 def scatter_add(x, dim, index, src):
     if index.size == 0:
         return x
@@ -80,6 +97,7 @@ def scatter_add(x, dim, index, src):
 
 
 @lowering("aten::scatter_reduce.two")
+@_bool_via_int(0, 3)
 def scatter_reduce(x, dim, index, src, reduce, include_self=True):
     if x.ndim == 0:
         out = scatter_reduce(x.reshape(1), 0, index.reshape(-1), jnp.reshape(src, -1), reduce,
@@ -126,6 +144,7 @@ def _check_index_add(x, dim, index, source, alpha=1):
 
 
 @lowering("aten::index_add.default", validate=_check_index_add)
+@_bool_via_int(0, 3)
 def index_add(x, dim, index, source, alpha=1):
     size = x.shape[dim] if x.ndim else 1
     check_index(index, size, "index out of range in self")
@@ -164,6 +183,7 @@ def index(x, indices):
 
 
 @lowering("aten::index_put.default")
+@_bool_via_int(0, 2)
 def index_put(x, indices, values, accumulate=False, unsafe=False):
     idx = _advanced_index(x, indices)
     values = values.astype(x.dtype)
@@ -273,6 +293,7 @@ def nonzero_static(x, size, fill_value=-1):
 
 
 @lowering("aten::put.default")
+@_bool_via_int(0, 2)
 def put(x, index, source, accumulate=False):
     check_index(index, max(x.size, 1), "out of range: tried to access index")
     flat = x.reshape(-1)

@@ -101,12 +101,12 @@ def abs_(x):
 
 @lowering("aten::sign.default")
 def sign(x):
-    return jnp.sign(x)
+    return x if x.dtype == jnp.bool_ else jnp.sign(x)
 
 
 @lowering("aten::sgn.default")
 def sgn(x):
-    return jnp.sign(x)
+    return sign(x)
 
 
 @lowering("aten::maximum.default", promote=True)
@@ -162,7 +162,7 @@ def _unary(name, fn):
     lowering(f"aten::{name}.default", promote=True, opmath=True)(fn)
 
 
-def _digamma(x):
+def digamma(x):
     # PyTorch defines digamma(0) = -inf (the limit from the right); SciPy's gives NaN.
     return jnp.where(x == 0, -jnp.inf, jax.scipy.special.digamma(x))
 
@@ -175,7 +175,7 @@ for _name, _fn in {
     "asinh": jnp.arcsinh, "acosh": jnp.arccosh, "atanh": jnp.arctanh,
     "sigmoid": jax.nn.sigmoid, "erf": jax.scipy.special.erf, "erfc": jax.scipy.special.erfc,
     "erfinv": jax.scipy.special.erfinv, "lgamma": jax.scipy.special.gammaln,
-    "digamma": _digamma,
+    "digamma": digamma,
     "floor": jnp.floor, "ceil": jnp.ceil, "trunc": jnp.trunc, "round": jnp.round,
     "frac": lambda x: x - jnp.trunc(x),
 }.items():
@@ -356,3 +356,14 @@ def softshrink_backward(grad, x, lambd):
 @lowering("aten::hardshrink_backward.default")
 def hardshrink_backward(grad, x, lambd):
     return jnp.where(jnp.abs(x) > lambd, grad, 0).astype(x.dtype)
+
+
+@lowering("aten::gcd.default", promote=True)
+def gcd(x, y):
+    return jnp.gcd(x, y)
+
+
+@lowering("aten::lcm.default", promote=True)
+def lcm(x, y):
+    return jnp.lcm(x, y)
+

@@ -7,20 +7,12 @@ import jax.numpy as jnp
 import jax.scipy.special as jss
 from jax import lax
 
+from .pointwise import digamma
 from .registry import lowering
 
 
-def _wide(fn):
-    def wrapped(*xs):
-        dt = jnp.result_type(*[jnp.asarray(x) for x in xs])
-        if dt in (jnp.bfloat16, jnp.float16):
-            return fn(*[jnp.asarray(x).astype(jnp.float32) for x in xs]).astype(dt)
-        return fn(*xs)
-    return wrapped
-
-
 def _unary(name, fn):
-    lowering(f"aten::{name}.default", promote=True)(_wide(fn))
+    lowering(f"aten::{name}.default", promote=True, opmath=True)(fn)
 
 
 for _name, _fn in {
@@ -31,8 +23,7 @@ for _name, _fn in {
     _unary(_name, _fn)
 
 
-@lowering("aten::sinc.default", promote=True)
-@_wide
+@lowering("aten::sinc.default", promote=True, opmath=True)
 def sinc(x):
     px = jnp.pi * x
     safe = jnp.where(x == 0, 1, px)
@@ -47,8 +38,7 @@ def logit(x, eps=None):
 
 
 @lowering("aten::special_xlog1py.default", "aten::special_xlog1py.self_scalar",
-          "aten::special_xlog1py.other_scalar", promote=True)
-@_wide
+          "aten::special_xlog1py.other_scalar", promote=True, opmath=True)
 def xlog1py(x, y):
     return jss.xlog1py(x, y)
 
@@ -59,28 +49,24 @@ def xlogy_scalar(x, y):
 
 
 @lowering("aten::special_zeta.default", "aten::special_zeta.self_scalar",
-          "aten::special_zeta.other_scalar", promote=True)
-@_wide
+          "aten::special_zeta.other_scalar", promote=True, opmath=True)
 def zeta(x, q):
     # Hurwitz zeta; PyTorch gives inf at x == 1 and nan for x < 1.
     r = jss.zeta(x, q)
     return jnp.where(x == 1, jnp.inf, jnp.where(x < 1, jnp.nan, r))
 
 
-@lowering("aten::igamma.default", promote=True)
-@_wide
+@lowering("aten::igamma.default", promote=True, opmath=True)
 def igamma(a, x):
     return jss.gammainc(a, x)
 
 
-@lowering("aten::igammac.default", promote=True)
-@_wide
+@lowering("aten::igammac.default", promote=True, opmath=True)
 def igammac(a, x):
     return jss.gammaincc(a, x)
 
 
-@lowering("aten::mvlgamma.default", promote=True)
-@_wide
+@lowering("aten::mvlgamma.default", promote=True, opmath=True)
 def mvlgamma(x, p):
     return jss.multigammaln(x, p)
 
@@ -95,11 +81,10 @@ def conj_physical(x):
     return jnp.conj(x)
 
 
-@lowering("aten::polygamma.default")
-@_wide
+@lowering("aten::polygamma.default", promote=True, opmath=True)
 def polygamma(n, x):
     if n == 0:
-        return jss.digamma(x)
+        return digamma(x)
     # JAX's polygamma is only accurate for x > 0. Below 1, use
     # psi_n(x) = psi_n(x + 1) + (-1)^(n+1) n! / x^(n+1) until x >= 1, as PyTorch's zeta does.
     sign = (-1) ** (n + 1) * math.factorial(n)
