@@ -135,7 +135,7 @@ def _axis(x, dim):
     return None if x.ndim == 0 else dim
 
 
-@lowering("aten::_softmax.default")
+@lowering("aten::_softmax.default", opmath=True)
 def softmax(x, dim, half_to_float=False):
     x = x.astype(jnp.float32) if half_to_float else x
     if x.ndim == 0:
@@ -145,7 +145,10 @@ def softmax(x, dim, half_to_float=False):
 
 @lowering("aten::_log_softmax.default")
 def log_softmax(x, dim, half_to_float=False):
-    x = x.astype(jnp.float32) if half_to_float else x
+    # PyTorch's CPU kernel over an inner dim computes half types in float32 and rounds once;
+    # its last-dim kernel rounds intermediate steps, as the half-precision JAX function does.
+    inner = x.ndim > 0 and dim % x.ndim != x.ndim - 1
+    x = x.astype(jnp.float32) if half_to_float or inner else x
     if x.ndim == 0:
         return x - x
     return jax.nn.log_softmax(x, axis=dim)
@@ -156,7 +159,7 @@ def softmax_backward(grad, y, dim, input_dtype):
     return (grad - jnp.sum(grad * y, axis=_axis(y, dim), keepdims=True)) * y
 
 
-@lowering("aten::_log_softmax_backward_data.default")
+@lowering("aten::_log_softmax_backward_data.default", opmath=True)
 def log_softmax_backward(grad, y, dim, input_dtype):
     return grad - jnp.exp(y) * jnp.sum(grad, axis=_axis(y, dim), keepdims=True)
 
