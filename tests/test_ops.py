@@ -263,3 +263,13 @@ def test_uint8_bilinear_resizing_is_exactly_pytorchs_integer_kernel():
                    {"size": (13, 17)}):
             kw.update(mode="bilinear", antialias=antialias)
             assert torch.equal(F.interpolate(x.to("tpu"), **kw).cpu(), F.interpolate(x, **kw))
+
+
+def test_integer_power_wraps_and_scalar_bases_stay_float():
+    """Integer pow uses every exponent bit and wraps as the CPU's does; an integer base with a
+    float exponent is a float power."""
+    e = torch.tensor([10, 63, 64, 100, -1, 0])
+    for base in (2, 3, -1):
+        assert torch.equal((base ** e.to("tpu")).cpu(), base ** e)
+    x = torch.tensor([0.5, 1.5, -2.25])
+    torch.testing.assert_close((2 ** x.to("tpu")).cpu(), 2 ** x)

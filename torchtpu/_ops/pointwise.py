@@ -60,7 +60,7 @@ def fmod(x, y):
 
 @lowering("aten::pow.Tensor_Tensor", "aten::pow.Tensor_Scalar", "aten::pow.Scalar", promote=True)
 def pow_(x, y):
-    if jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer):
+    if all(jnp.issubdtype(jnp.asarray(v).dtype, jnp.integer) for v in (x, y)):
         return _int_pow(x, y)
     return jnp.power(x, y)
 
