@@ -226,7 +226,12 @@ def native_group_norm(x, weight, bias, n, c, hw, group, eps):
     return y, mean, rstd
 
 
-@lowering("aten::embedding.default")
+def _check_embedding(weight, *rest):
+    if weight.dim() != 2:  # PyTorch's meta kernel asserts instead
+        raise RuntimeError("'weight' must be 2-D")
+
+
+@lowering("aten::embedding.default", validate=_check_embedding)
 def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     from .indexing import check_index
     check_index(indices, weight.shape[0], "index out of range in self")
