@@ -84,8 +84,6 @@ def addmv(bias, a, v, beta=1, alpha=1):
     return _scaled_sum(bias, _matmul(a, v), beta, alpha)
 
 
-
-
 @lowering("aten::addr.default", promote=True)
 def addr(bias, v1, v2, beta=1, alpha=1):
     # PyTorch's CPU kernel: beta * bias + (alpha * v1) * v2 elementwise, with alpha and beta
