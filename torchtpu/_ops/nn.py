@@ -148,7 +148,8 @@ def log_softmax(x, dim, half_to_float=False):
     # PyTorch's CPU kernel over an inner dim computes half types in float32 and rounds once;
     # its last-dim kernel rounds intermediate steps, as the half-precision JAX function does.
     inner = x.ndim > 0 and dim % x.ndim != x.ndim - 1
-    x = x.astype(jnp.float32) if half_to_float or inner else x
+    if half_to_float or (inner and x.dtype in (jnp.bfloat16, jnp.float16)):
+        x = x.astype(jnp.float32)
     if x.ndim == 0:
         return x - x
     return jax.nn.log_softmax(x, axis=dim)
