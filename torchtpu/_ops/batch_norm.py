@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from .nn import inverse_sqrt, round_to
-from .registry import lowering
+from .registry import HALF_TYPES, lowering
 
 aten = torch.ops.aten
 
@@ -23,13 +23,10 @@ def _per_channel(v, x):
     return v.reshape((1, -1) + (1,) * (x.ndim - 2))
 
 
-_HALF = (jnp.bfloat16, jnp.float16)
-
-
 def _stats_dtype(x, *params):
     """The dtype PyTorch's CPU kernel keeps statistics in: a half-precision input's own type,
     unless some parameter is float32 ("mixed type"), then float32."""
-    if x.dtype in _HALF and not any(p is not None and p.dtype == jnp.float32 for p in params):
+    if x.dtype in HALF_TYPES and not any(p is not None and p.dtype == jnp.float32 for p in params):
         return x.dtype
     return jnp.promote_types(x.dtype, jnp.float32)
 

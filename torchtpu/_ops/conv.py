@@ -8,7 +8,7 @@ import torch
 from jax import lax
 
 from .nn import round_to
-from .registry import lowering
+from .registry import HALF_TYPES, lowering
 
 
 def _precision():
@@ -40,7 +40,7 @@ def _conv(x, w, bias, stride, padding, dilation, transposed, output_padding, gro
     stride, padding, dilation = _checked(stride, padding, dilation, groups, nd)
     # PyTorch's CPU kernels accumulate half-precision convolutions in float32 and round the
     # result (bias included) once; the MXU does the same natively.
-    acc = jnp.float32 if x.dtype in (jnp.bfloat16, jnp.float16) else None
+    acc = jnp.float32 if x.dtype in HALF_TYPES else None
     if not transposed:
         y = lax.conv_general_dilated(
             x, w, window_strides=stride, padding=[(p, p) for p in padding],
@@ -114,7 +114,7 @@ def _slow_transposed(x, w, bias, stride, padding, dilation, output_padding, grou
 @lowering("aten::convolution.default", promote=True, precision=True)
 def convolution(x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
     nd = x.ndim - 2
-    if (transposed and x.dtype in (jnp.bfloat16, jnp.float16) and x.size and w.size
+    if (transposed and x.dtype in HALF_TYPES and x.size and w.size
             and min(w.shape[2:], default=0) > 0):
         args = _checked(stride, padding, dilation, groups, nd) + (_expand(output_padding, nd),)
         if _cpu_uses_slow_transposed(x, w, *args, groups):

@@ -8,7 +8,7 @@ import jax.scipy.linalg as jsl
 import torch
 from jax import lax
 
-from .registry import lowering
+from .registry import HALF_TYPES, lowering
 
 
 def _info(a):
@@ -134,7 +134,7 @@ def triangular_solve(b, a, upper=True, transpose=False, unitriangular=False):
 
 @lowering("aten::linalg_matrix_exp.default")
 def linalg_matrix_exp(a):
-    if a.dtype in (jnp.bfloat16, jnp.float16):
+    if a.dtype in HALF_TYPES:
         # The CPU's half-precision series rounds at every step; float32 would not match it.
         raise NotImplementedError(f"linalg_matrix_exp of {a.dtype} tensors on tpu")
     return jsl.expm(a)

@@ -2,7 +2,7 @@
 import jax.numpy as jnp
 from jax import lax
 
-from .registry import lowering
+from .registry import HALF_TYPES, lowering
 
 
 def _precision():
@@ -10,20 +10,17 @@ def _precision():
     return jax_precision()
 
 
-_HALF = (jnp.float16, jnp.bfloat16)
-
-
 def _matmul(a, b):
     # Half-precision products accumulate in float32 and stay float32 until the op's result is
     # rounded once, as in PyTorch's CPU kernels (and at no cost to the MXU's bf16 inputs).
-    acc = jnp.float32 if a.dtype in _HALF else None
+    acc = jnp.float32 if a.dtype in HALF_TYPES else None
     return jnp.matmul(a, b, precision=_precision(), preferred_element_type=acc)
 
 
 def _scaled_sum(bias, product, beta, alpha):
     """beta * bias + alpha * product, as PyTorch's addmm family computes it: integer tensors
     take integer scalars (0.6 becomes 0), and beta == 0 ignores bias (its NaNs too)."""
-    if bias.dtype in _HALF:
+    if bias.dtype in HALF_TYPES:
         bias = bias.astype(jnp.float32)
     elif jnp.issubdtype(bias.dtype, jnp.integer) or bias.dtype == jnp.bool_:
         beta = jnp.trunc(jnp.asarray(beta)).astype(bias.dtype)
@@ -53,7 +50,7 @@ def baddbmm(bias, a, b, beta=1, alpha=1):
 
 @lowering("aten::addbmm.default", promote=True, precision=True)
 def addbmm(bias, a, b, beta=1, alpha=1):
-    if a.dtype not in _HALF or a.shape[0] == 0:
+    if a.dtype not in HALF_TYPES or a.shape[0] == 0:
         return _scaled_sum(bias, jnp.sum(_matmul(a, b), axis=0), beta, alpha)
     # PyTorch's CPU kernel adds one batch at a time into the half-precision result.
     first = _scaled_sum(bias, _matmul(a[0], b[0]), beta, alpha).astype(a.dtype)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from .registry import lowering
+from .registry import HALF_TYPES, lowering
 
 
 def _float(x):
@@ -22,7 +22,7 @@ def round_to(v, dtype):
     kernel stores an intermediate in that type. XLA may drop a `.astype(half).astype(float32)`
     pair (it allows excess precision), never a reduce_precision."""
     if isinstance(v, (int, float)):  # a static value: rounded here
-        return float(np.asarray(v, dtype)) if dtype in (jnp.bfloat16, jnp.float16) else v
+        return float(np.asarray(v, dtype)) if dtype in HALF_TYPES else v
     if dtype == jnp.bfloat16:
         return lax.reduce_precision(v, 8, 7)
     if dtype == jnp.float16:
@@ -148,7 +148,7 @@ def log_softmax(x, dim, half_to_float=False):
     # PyTorch's CPU kernel over an inner dim computes half types in float32 and rounds once;
     # its last-dim kernel rounds intermediate steps, as the half-precision JAX function does.
     inner = x.ndim > 0 and dim % x.ndim != x.ndim - 1
-    if half_to_float or (inner and x.dtype in (jnp.bfloat16, jnp.float16)):
+    if half_to_float or (inner and x.dtype in HALF_TYPES):
         x = x.astype(jnp.float32)
     if x.ndim == 0:
         return x - x
@@ -167,7 +167,7 @@ def log_softmax_backward(grad, y, dim, input_dtype):
 
 def _layer_norm(x, normalized_shape, weight, bias, eps):
     axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
-    half = x.dtype in (jnp.bfloat16, jnp.float16)
+    half = x.dtype in HALF_TYPES
     xf = x.astype(jnp.float32) if half else x
     mean = jnp.mean(xf, axis=axes, keepdims=True)
     var = jnp.mean(jnp.square(xf - mean), axis=axes, keepdims=True)
@@ -451,7 +451,7 @@ def _cubic_coefficients(r, t):
 def _grid_sample(x, grid, interpolation_mode, padding_mode, align_corners):
     nd = x.ndim - 2
     vectorized = nd == 2
-    half = x.dtype in (jnp.bfloat16, jnp.float16)
+    half = x.dtype in HALF_TYPES
     r = (lambda v: round_to(v, x.dtype)) if half else (lambda v: v)
     acc = jnp.float32 if half else x.dtype
     xs, grid = x.astype(acc), grid.astype(acc)
@@ -461,14 +461,14 @@ def _grid_sample(x, grid, interpolation_mode, padding_mode, align_corners):
     if interpolation_mode == 2:  # bicubic (2-D only): padding applies to each tap
         base = [jnp.floor(c) for c in coords]
         cy, cx = (_cubic_coefficients(r, r(c - b)) for c, b in zip(coords, base))
+        # The four row and four column positions each tap reads, padded.
+        row_taps, col_taps = ([_pad_coordinates(r, r(b + (k - 1)), n, padding_mode,
+                                                align_corners, True).astype(jnp.int32)
+                               for k in range(4)] for b, n in zip(base, sizes))
         rows = []
-        for i in range(4):
-            yy = _pad_coordinates(r, r(base[0] + (i - 1)), sizes[0], padding_mode,
-                                  align_corners, True).astype(jnp.int32)
+        for yy in row_taps:
             row = None
-            for j in range(4):
-                xx = _pad_coordinates(r, r(base[1] + (j - 1)), sizes[1], padding_mode,
-                                      align_corners, True).astype(jnp.int32)
+            for j, xx in enumerate(col_taps):
                 term = r(cx[j][:, None] * _gather(xs, (yy, xx), sizes))
                 row = term if row is None else r(row + term)
             rows.append(row)
@@ -696,42 +696,43 @@ def upsample_trilinear3d(x, output_size, align_corners, scales_d=None, scales_h=
 # size is skipped) sums pixel * weight in int32, adds half, shifts, clamps to uint8.
 def _uint8_taps(in_size, out_size, align_corners, scale, antialias):
     """(input index, int16 weight) per (output index, tap), and the precision shift."""
-    if align_corners:
-        scale = (in_size - 1) / (out_size - 1) if out_size > 1 else 0.0
-    else:
-        scale = 1.0 / scale if scale is not None and scale > 0 else in_size / out_size
-    tent = lambda v: max(1.0 - abs(v), 0.0)
-    support = max(scale, 1.0) if antialias else 1.0
-    taps = int(np.ceil(support)) * 2 + 1 if antialias else 2
-    weights = np.zeros((out_size, taps))
-    first = np.zeros(out_size, np.int64)
-    for i in range(out_size):
-        if antialias:  # a tent filter widened by the scale, normalised
-            center = scale * (i + 0.5)
-            inv = 1.0 / scale if scale >= 1.0 else 1.0
-            lo = max(int(center - support + 0.5), 0)
-            n = min(max(min(int(center + support + 0.5), in_size) - lo, 0), taps)
-            w = np.array([tent((j + lo - center + 0.5) * inv) for j in range(n)])
-            weights[i, :n] = w / w.sum() if w.sum() != 0 else w
-        else:  # the two linear weights, those of positions outside folded onto the border
-            src = scale * i if align_corners else max(scale * (i + 0.5) - 0.5, 0.0)
-            index = min(int(np.floor(np.float32(src))), in_size - 1)
-            lam = min(max(src - index, 0.0), 1.0)
-            lo = max(index, 0)
-            n = min(max(min(index + 2, in_size) - lo, 0), taps)
-            k = 0
-            for j in range(taps):
-                k = 0 if index + j <= 0 else n - 1 if index + j >= in_size - 1 else k
-                weights[i, k] += tent(j - lam)
-                k += 1
-        first[i] = lo
+    if antialias:  # the float filter, computed in float64
+        windows, taps = _tent_windows(in_size, out_size, align_corners, scale, np.float64)
+        weights = np.zeros((out_size, taps))
+        for i, (_, w) in enumerate(windows):
+            weights[i, :len(w)] = w
+        first = np.array([lo for lo, _ in windows], np.int64)
+    else:  # the two linear weights, those of positions outside folded onto the border
+        weights, first = _uint8_linear_weights(in_size, out_size, align_corners, scale)
     precision = 0
     while precision < 22 and int(0.5 + weights.max() * (1 << (precision + 1))) < (1 << 15):
         precision += 1
     scaled = weights * (1 << precision)
     w16 = np.trunc(scaled + np.where(scaled < 0, -0.5, 0.5)).astype(np.int32)
-    index = np.minimum(first[:, None] + np.arange(taps), in_size - 1)
+    index = np.minimum(first[:, None] + np.arange(weights.shape[1]), in_size - 1)
     return index, w16, precision
+
+
+def _uint8_linear_weights(in_size, out_size, align_corners, scale):
+    if align_corners:
+        scale = (in_size - 1) / (out_size - 1) if out_size > 1 else 0.0
+    else:
+        scale = 1.0 / scale if scale is not None and scale > 0 else in_size / out_size
+    taps = 2
+    weights = np.zeros((out_size, taps))
+    first = np.zeros(out_size, np.int64)
+    for i in range(out_size):
+        src = scale * i if align_corners else max(scale * (i + 0.5) - 0.5, 0.0)
+        index = min(int(np.floor(np.float32(src))), in_size - 1)
+        lam = min(max(src - index, 0.0), 1.0)
+        n = min(max(min(index + 2, in_size) - max(index, 0), 0), taps)
+        k = 0
+        for j in range(taps):
+            k = 0 if index + j <= 0 else n - 1 if index + j >= in_size - 1 else k
+            weights[i, k] += max(1.0 - abs(j - lam), 0.0)
+            k += 1
+        first[i] = max(index, 0)
+    return weights, first
 
 
 def _resize_uint8(x, output_size, align_corners, scales, antialias):
@@ -753,28 +754,36 @@ def _resize_uint8(x, output_size, align_corners, scales, antialias):
 
 
 # --- antialiased bilinear resize: PyTorch's (and PIL's) separable triangle filter --------------
-def _aa_weights(in_size, out_size, align_corners, scale):
-    """(out, in) float32 matrix of PyTorch's antialiasing weights along one axis."""
-    f32 = np.float32
+def _tent_windows(in_size, out_size, align_corners, scale, f):
+    """PyTorch's (and PIL's) antialiasing filter along one axis, computed in the float type `f`:
+    per output index, the first input index it reads and its normalised tent weights; and the
+    most taps any output reads."""
     if align_corners:
-        scale = f32((in_size - 1) / (out_size - 1)) if out_size > 1 else f32(0)
+        scale = f((in_size - 1) / (out_size - 1)) if out_size > 1 else f(0)
     else:
-        scale = f32(1.0 / scale) if scale is not None and scale > 0 else f32(in_size / out_size)
-    support = f32(scale) if scale >= 1.0 else f32(1.0)  # interp_size / 2 = 1, widened by scale
+        scale = f(1.0 / scale) if scale is not None and scale > 0 else f(in_size / out_size)
+    support = f(scale) if scale >= 1.0 else f(1.0)  # interp_size / 2 = 1, widened by scale
     max_taps = int(np.ceil(support)) * 2 + 1
-    invscale = f32(1.0 / scale) if scale >= 1.0 else f32(1.0)
-    weights = np.zeros((out_size, in_size), np.float32)
+    invscale = f(1.0 / scale) if scale >= 1.0 else f(1.0)
+    windows = []
     for i in range(out_size):
-        center = f32(scale * (i + 0.5))
+        center = f(scale * (i + 0.5))
         xmin = max(int(center - support + 0.5), 0)
         xsize = min(max(min(int(center + support + 0.5), in_size) - xmin, 0), max_taps)
         taps = np.maximum(
-            0, 1 - np.abs((np.arange(xsize, dtype=np.float32) + xmin - center + f32(0.5))
-                          * invscale)).astype(np.float32)
-        total = taps.sum(dtype=np.float32)
-        if total != 0:
-            taps = taps / total
-        weights[i, xmin:xmin + xsize] = taps
+            0, 1 - np.abs((np.arange(xsize, dtype=f) + xmin - center + f(0.5)) * invscale)
+        ).astype(f)
+        total = taps.sum(dtype=f)
+        windows.append((xmin, taps / total if total != 0 else taps))
+    return windows, max_taps
+
+
+def _aa_weights(in_size, out_size, align_corners, scale):
+    """(out, in) float32 matrix of PyTorch's antialiasing weights along one axis."""
+    windows, _ = _tent_windows(in_size, out_size, align_corners, scale, np.float32)
+    weights = np.zeros((out_size, in_size), np.float32)
+    for i, (xmin, taps) in enumerate(windows):
+        weights[i, xmin:xmin + len(taps)] = taps
     return weights
 
 

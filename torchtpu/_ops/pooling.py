@@ -7,7 +7,7 @@ import numpy as np
 from jax import lax
 
 from .nn import round_to
-from .registry import lowering
+from .registry import HALF_TYPES, lowering
 
 
 def _expand(v, nd, default=None):
@@ -38,7 +38,7 @@ def _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, div
     pads = [(0, 0)] * lead + [(pp, pp + e) for pp, e in zip(p, extra)]
     window = (1,) * lead + tuple(k)
     strides = (1,) * lead + tuple(s)
-    acc = jnp.float32 if x.dtype in (jnp.bfloat16, jnp.float16) else x.dtype
+    acc = jnp.float32 if x.dtype in HALF_TYPES else x.dtype
     total = lax.reduce_window(x.astype(acc), np.zeros((), acc), lax.add, window, strides, pads)
     if divisor_override:
         return (total / divisor_override).astype(x.dtype)
@@ -86,7 +86,7 @@ def _adaptive_matrix(n_in, n_out):
 
 def _adaptive_avg(x, output_size, nd):
     # A box average is separable: one averaging matrix per spatial dim.
-    acc = jnp.float32 if x.dtype in (jnp.bfloat16, jnp.float16) else x.dtype
+    acc = jnp.float32 if x.dtype in HALF_TYPES else x.dtype
     y = x.astype(acc)
     for i, o in enumerate(output_size):
         axis = x.ndim - nd + i
@@ -119,7 +119,7 @@ def _adaptive_avg3d_in_half(x, output_size):
 
 @lowering("aten::_adaptive_avg_pool3d.default")
 def adaptive_avg_pool3d(x, output_size):
-    if x.dtype in (jnp.bfloat16, jnp.float16) and x.size and 0 not in output_size:
+    if x.dtype in HALF_TYPES and x.size and 0 not in output_size:
         return _adaptive_avg3d_in_half(x, output_size)
     return _adaptive_avg(x, output_size, 3)
 

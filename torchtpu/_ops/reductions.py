@@ -5,7 +5,7 @@ from jax import lax
 
 from .._device import runtime
 from .pointwise import complex_logaddexp
-from .registry import check, lowering
+from .registry import HALF_TYPES, check, lowering
 
 
 def _dims(x, dim):
@@ -182,7 +182,7 @@ def cumprod(x, dim, dtype=None):
 def vector_norm(x, ord=2, dim=None, keepdim=False, dtype=None):
     if dtype is not None:
         x = x.astype(_acc_dtype(x, dtype))
-    if x.dtype in (jnp.float16, jnp.bfloat16):  # accumulate in float32, as PyTorch's kernels do
+    if x.dtype in HALF_TYPES:  # accumulate in float32, as PyTorch's kernels do
         return vector_norm(x.astype(jnp.float32), ord, dim, keepdim).astype(x.dtype)
     axis = _dims(x, dim)
     ax = jnp.abs(x)

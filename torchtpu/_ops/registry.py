@@ -96,7 +96,8 @@ def lowering(*names, **options):
     return deco
 
 
-_HALF = (jnp.float16, jnp.bfloat16)
+# The half-precision floating types (JAX dtypes), which PyTorch's CPU kernels widen.
+HALF_TYPES = (jnp.float16, jnp.bfloat16)
 
 
 def in_float32(fn):
@@ -105,7 +106,8 @@ def in_float32(fn):
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         def up(x):
-            return x.astype(jnp.float32) if isinstance(x, jax.Array) and x.dtype in _HALF else x
+            half = isinstance(x, jax.Array) and x.dtype in HALF_TYPES
+            return x.astype(jnp.float32) if half else x
 
         return fn(*[[up(a) for a in x] if isinstance(x, (list, tuple)) else up(x) for x in args],
                     **kwargs)
