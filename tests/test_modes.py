@@ -73,6 +73,18 @@ def test_fused_defers_until_a_value_is_needed():
         assert counts("flush::item")[0] >= 1
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_rounds_every_op_like_eager(dtype):
+    """A fused chain of half-precision ops rounds after each op, as the CPU does, instead of
+    keeping the intermediates in float32: the values equal the CPU's bit for bit."""
+    a = torch.randn(4096).to(dtype)
+    expected = ((a * 3).exp() * a - a.sigmoid()).tanh()
+    with torch.tpu.set_eager_mode(FUSED):
+        x = a.to("tpu")
+        got = ((x * 3).exp() * x - x.sigmoid()).tanh().cpu()
+    assert torch.equal(got, expected)
+
+
 def test_fused_flush_reasons():
     x = torch.randn(16, device="tpu")
     with torch.tpu.set_eager_mode(FUSED):
