@@ -131,3 +131,41 @@ def test_multinomial_and_index_add_validate_like_the_cpu():
         torch.zeros(3, 2, device="tpu").index_add(0, torch.tensor([0], device="tpu"), torch.ones(1, 3, device="tpu"))
     with pytest.raises(RuntimeError, match="from=3 > to=-1"):
         torch.empty(3, device="tpu").uniform_(3, -1)
+
+
+@pytest.mark.parametrize("case", [
+    "amax_empty_dim", "amin_empty_no_dim", "aminmax_empty_dim", "aminmax_empty_all", "aminmax_out_dtype",
+    "complex_out_dtype", "narrow_copy_dim", "as_strided_scatter_bounds", "amax_65_dims"])
+def test_errors_the_cpu_kernels_raise_beyond_their_meta_kernels(case):
+    """Bad input that PyTorch's meta kernels let through, or reject with another exception than
+    the CPU's kernels: the tpu raises the CPU's exception type and message.  (The inputs are
+    fresh copies; other tests check that failed calls leave tensors intact.)"""
+    empty, x = torch.randn(5, 0, 5), torch.randn(4, 4)
+    calls = {
+        "amax_empty_dim": lambda d: empty.to(d).amax(dim=-2),
+        "amin_empty_no_dim": lambda d: empty.to(d).amin(),
+        "aminmax_empty_dim": lambda d: torch.aminmax(empty.to(d), dim=1),
+        "aminmax_empty_all": lambda d: torch.aminmax(empty.to(d)),
+        "aminmax_out_dtype": lambda d: torch.aminmax(x.to(d), dim=0, out=(
+            torch.empty(4, device=d), torch.empty(4, dtype=torch.float64, device=d))),
+        "complex_out_dtype": lambda d: torch.complex(x.to(d), x.to(d), out=torch.empty(
+            4, 4, dtype=torch.complex128, device=d)),
+        "narrow_copy_dim": lambda d: x.to(d).narrow_copy(2, 0, 1),
+        "as_strided_scatter_bounds": lambda d: torch.as_strided_scatter(
+            x.to(d), torch.ones(2, 2, device=d), (2, 2), (200, 200)),
+        "amax_65_dims": lambda d: torch.ones([1] * 65).to(d).amax(dim=-1),
+    }
+    with pytest.raises(Exception) as on_cpu:
+        calls[case]("cpu")
+    with pytest.raises(on_cpu.type) as on_tpu:
+        calls[case]("tpu")
+        torch.tpu.synchronize()
+    if case != "amax_65_dims":  # that message comes from PyTorch's reference implementation
+        assert str(on_tpu.value) == str(on_cpu.value)
+
+
+def test_tensors_with_more_dims_than_numpy_allows_cross_devices():
+    x = torch.randn([1] * 64 + [3])
+    t = x.to("tpu")
+    assert t.shape == x.shape and torch.equal(t.cpu(), x)
+    assert torch.equal((t * 2).cpu(), x * 2)

@@ -94,13 +94,43 @@ def _complex(real, imag):
     return real.new_empty(shape, dtype=_COMPLEX_OF[real.dtype])
 
 
+def _complex_out(real, imag, *, out):
+    result = _complex(real, imag)
+    if out.dtype != result.dtype:  # the CPU kernel writes no other dtype (no cast)
+        raise RuntimeError(f"Expected object of scalar type {dtype_name(result.dtype)} but got "
+                           f"scalar type {dtype_name(out.dtype)} for argument 'out'")
+    return out.resize_(result.shape)
+
+
+def _aminmax_out(x, *, dim=None, keepdim=False, min, max):
+    for out in (min, max):
+        if out.dtype != x.dtype:  # the CPU kernel writes no other dtype (no cast)
+            raise RuntimeError(f"Expected out tensor to have dtype {_c10_name(x.dtype)}, but got "
+                               f"{_c10_name(out.dtype)} instead")
+    result, _ = torch.aminmax(x, dim=dim, keepdim=keepdim)
+    return min.resize_(result.shape), max.resize_(result.shape)
+
+
+def _c10_name(dtype):
+    """The C++ type name c10 messages use for a dtype."""
+    return {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half",
+            torch.bfloat16: "c10::BFloat16", torch.int64: "long int", torch.int32: "int",
+            torch.int16: "short int", torch.int8: "signed char", torch.uint8: "unsigned char",
+            torch.complex64: "c10::complex<float>", torch.complex128: "c10::complex<double>"}.get(
+        dtype, str(dtype).removeprefix("torch."))
+
+
 def dtype_name(dtype):
     return {torch.float16: "Half", torch.float32: "Float", torch.float64: "Double",
             torch.int32: "Int", torch.int64: "Long", torch.int16: "Short", torch.int8: "Char",
-            torch.uint8: "Byte", torch.bool: "Bool", torch.bfloat16: "BFloat16"}.get(
+            torch.uint8: "Byte", torch.bool: "Bool", torch.bfloat16: "BFloat16",
+            torch.complex32: "ComplexHalf", torch.complex64: "ComplexFloat",
+            torch.complex128: "ComplexDouble"}.get(
         dtype, str(dtype))
 
 
 _impl("complex", _complex)
+_impl("complex.out", _complex_out)
+_impl("aminmax.out", _aminmax_out)
 _impl("fractional_max_pool3d_backward", _like_self)
 _impl("_ctc_loss_backward", _like_self)

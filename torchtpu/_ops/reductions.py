@@ -61,14 +61,49 @@ def prod_dim(x, dim, keepdim=False, dtype=None):
     return jnp.prod(x.astype(_acc_dtype(x, dtype)), axis=dim, keepdims=keepdim)
 
 
-@lowering("aten::amax.default")
+def _check_extreme_of_empty(name):
+    """The CPU kernels' errors for a max/min over no elements (their meta kernels raise a
+    generic RuntimeError instead)."""
+    def validate(x, dim=(), keepdim=False):
+        if x.numel() != 0 or x.dim() == 0:
+            return
+        dims = [dim] if isinstance(dim, int) else list(dim or ())
+        if not dims:
+            raise RuntimeError(f"{name}(): Expected reduction dim to be specified for input.numel() == 0. "
+                               "Specify the reduction dim with the 'dim' argument.")
+        for d in dims:
+            if -x.dim() <= d < x.dim() and x.shape[d] == 0:
+                raise IndexError(f"{name}(): Expected reduction dim {d} to have non-zero size.")
+    return validate
+
+
+@lowering("aten::amax.default", validate=_check_extreme_of_empty("amax"))
 def amax(x, dim=(), keepdim=False):
     return jnp.max(x, axis=_dims(x, dim), keepdims=keepdim)
 
 
-@lowering("aten::amin.default")
+@lowering("aten::amin.default", validate=_check_extreme_of_empty("amin"))
 def amin(x, dim=(), keepdim=False):
     return jnp.min(x, axis=_dims(x, dim), keepdims=keepdim)
+
+
+def _check_aminmax(x, dim=None, keepdim=False):
+    if x.numel() != 0:
+        return
+    if dim is None:
+        raise RuntimeError("aminmax(): cannot compute aminmax over an empty dimension as the "
+                           "operation has no identity.")
+    if x.dim() and -x.dim() <= dim < x.dim() and x.shape[dim] == 0:
+        raise IndexError(f"aminmax: Expected reduction dim {dim % x.dim()} to have non-zero size.")
+
+
+@lowering("aten::aminmax.default", validate=_check_aminmax)
+def aminmax(x, dim=None, keepdim=False):
+    if dim is None:
+        axis, keepdim = None, keepdim and x.ndim > 0
+    else:
+        axis = dim % x.ndim if x.ndim else None
+    return (jnp.min(x, axis=axis, keepdims=keepdim), jnp.max(x, axis=axis, keepdims=keepdim))
 
 
 @lowering("aten::max.default")

@@ -1,4 +1,5 @@
 """Ops that build new tensors from pieces: cat, stack, flip, roll, tril/triu, pad, repeat..."""
+import jax
 import jax.numpy as jnp
 
 from .registry import lowering
@@ -14,6 +15,21 @@ def _check_cat(tensors, dim=0):
 def cat(tensors, dim=0):
     tensors = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0)] or tensors[:1]
     return jnp.concatenate(tensors, axis=dim)
+
+
+def _check_narrow_copy(x, dim, start, length):
+    # The CPU kernel checks a too-large dim itself (a RuntimeError); the meta kernel would
+    # raise IndexError, as it does for a too-small one.
+    if dim >= x.dim() > 0:
+        raise RuntimeError("Expected dim < static_cast<int64_t>(self_sizes.size()) to be true, but "
+                           "got false.  (Could this error message be improved?  If so, please report "
+                           "an enhancement request to PyTorch.)")
+
+
+@lowering("aten::narrow_copy.default", validate=_check_narrow_copy)
+def narrow_copy(x, dim, start, length):
+    start = start % x.shape[dim] if start < 0 else start
+    return jax.lax.slice_in_dim(x, start, start + length, axis=dim)
 
 
 @lowering("aten::stack.default", promote=True)

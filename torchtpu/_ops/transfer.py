@@ -14,6 +14,11 @@ from .._execution.kernels import kernel_for
 aten = torch.ops.aten
 
 
+# NumPy arrays (the host side of every transfer) have at most 64 dims; torch tensors and JAX
+# arrays may have more, so such values cross flat.
+_NUMPY_MAX_DIMS = 64
+
+
 @functools.lru_cache(maxsize=None)
 def _reader(shape, stride, offset, dtype):
     return jax.jit(lambda a: strided.read(a, shape, stride, offset, dtype))
@@ -35,7 +40,10 @@ def to_host(t):
     fused.flush("device_to_host")
     metrics.counters["device_to_host"] += 1
     metrics.counters["device_to_host_bytes"] += t.numel() * t.element_size()
-    a = np.array(jax.device_get(value_of(t)))  # writable: torch.from_numpy shares it
+    value = value_of(t)
+    if value.ndim > _NUMPY_MAX_DIMS:
+        value = value.reshape(-1)
+    a = np.array(jax.device_get(value))  # writable: torch.from_numpy shares it
     return numpy_to_tensor(np.ascontiguousarray(a), t.dtype).reshape(t.shape)
 
 
@@ -44,7 +52,7 @@ def from_host(cpu, index):
     metrics.counters["host_to_device"] += 1
     metrics.counters["host_to_device_bytes"] += cpu.numel() * cpu.element_size()
     cpu = cpu.detach().resolve_conj().resolve_neg().contiguous()
-    host = tensor_to_numpy(cpu)
+    host = tensor_to_numpy(cpu.reshape(-1) if cpu.dim() > _NUMPY_MAX_DIMS else cpu)
     if runtime.platform() == "cpu":
         # The CPU client adopts suitably aligned host memory without copying, so the device
         # array would change whenever the CPU tensor is later modified.

@@ -35,7 +35,18 @@ def diagonal_scatter(x, src, offset=0, dim1=0, dim2=1):
     return jnp.moveaxis(moved, (-2, -1), (dim1, dim2))
 
 
-@lowering("aten::as_strided_scatter")
+def _check_as_strided_scatter(x, src, size, stride, storage_offset=None):
+    offset = storage_offset or 0
+    needed = offset if 0 in size else offset + 1 + sum((n - 1) * s for n, s in zip(size, stride))
+    if needed > x.numel():
+        itemsize = x.element_size()
+        raise RuntimeError(
+            f"setStorage: sizes {list(size)}, strides {list(stride)}, storage offset {offset}, and "
+            f"itemsize {itemsize} requiring a storage size of {needed * itemsize} are out of bounds "
+            f"for storage of size {x.numel() * itemsize}")
+
+
+@lowering("aten::as_strided_scatter", validate=_check_as_strided_scatter)
 def as_strided_scatter(x, src, size, stride, storage_offset=None):
     # The view is taken of a contiguous copy of `input` (as PyTorch's kernel does).
     flat = x.reshape(-1)
