@@ -175,13 +175,13 @@ class Captured:
 
     def _run(self, args, buffers):
         inputs, ext, packed = self._arguments(buffers)
+        start = time.perf_counter()
+        self.segment.learn_checks(ext, packed)
         mask = self._donation(inputs)
         del inputs
         compiling = not self.segment.has_executable(mask)
-        start = time.perf_counter()
         results, checks = self.segment.run(ext, mask, packed)
         if compiling:
-            self.segment.has_checks = any(c.check_info for c, _, _ in self.signature)
             metrics.counters["graph_compiles"] += 1
             metrics.counters["compile_seconds"] += time.perf_counter() - start
         else:

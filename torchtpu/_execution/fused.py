@@ -146,19 +146,23 @@ def flush(reason):
         if len(_segments) >= _MAX_SEGMENTS:
             _segments.pop(next(iter(_segments)))
         segment = _segments[key] = Segment(tr.signature, outputs, scalar_types)
-    donate = segment.donatable(tr.ext_arrays)
-    compiling = not segment.has_executable(donate)
+    packed = _pack_scalars(tr.scalars, scalar_types)
     start = time.perf_counter()
     try:
+        segment.learn_checks(tr.ext_arrays, packed)
+    except Exception:
+        pass  # running it fails the same way, and is replayed op by op
+    donate = segment.donatable(tr.ext_arrays)
+    compiling = not segment.has_executable(donate)
+    try:
         with metrics.span(f"torchtpu::flush ({reason})"):
-            results, checks = segment.run(tr.ext_arrays, donate, _pack_scalars(tr.scalars, scalar_types))
+            results, checks = segment.run(tr.ext_arrays, donate, packed)
         failed = _first_failed_check(checks)
     except Exception:
         failed = -1
     if compiling:
         counters["segment_compiles"] += 1
         counters["compile_seconds"] += time.perf_counter() - start
-        segment.has_checks = any(c.check_info for c, _, _ in tr.signature)
     else:
         counters["segment_cache_hits"] += 1
     if failed is not None:
@@ -218,6 +222,15 @@ class Segment:
         self.structure = (signature, outputs, scalar_types)
         self.executables = {}
         self.has_checks = None  # known once traced
+
+    def learn_checks(self, ext_arrays, packed_scalars):
+        """Trace the segment abstractly the first time it is seen: whether its ops check
+        indices is known only from a trace, and must be known before the first executable is
+        built, or that one could not donate and a second one would be compiled at once."""
+        if self.has_checks is None:
+            jax.eval_shape(_segment_function(*self.structure, (False,) * len(ext_arrays)),
+                           [], ext_arrays, packed_scalars)
+            self.has_checks = any(c.check_info for c, _, _ in self.structure[0])
 
     def donatable(self, ext_arrays):
         """Per input array: may the segment consume it?  Only arrays nothing else refers to
