@@ -2,6 +2,7 @@
 
 The other suites (tensors, ops, errors, training) run in every mode through conftest.py; this
 file checks what is specific to each mode. Tests that need one mode switch to it themselves."""
+import copy
 import os
 import subprocess
 import sys
@@ -103,11 +104,15 @@ def test_fused_flush_reasons():
         assert counts("flush::max_ops") == (2,)
         p = torch.nn.Parameter(torch.ones(3, device="tpu"))
         opt = torch.optim.SGD([p], lr=0.1)
-        p.sum().backward()
+        loss = (p * 2).sum()
+        pending = fused.pending_ops()
+        loss.backward()  # the forward runs as a segment of its own, the backward is recorded
+        assert counts("flush::backward") == (1,) and pending > 0
+        assert fused.pending_ops() > 0
         opt.step()
         assert counts("flush::optimizer_step") == (1,)
         assert fused.pending_ops() == 0
-        torch.testing.assert_close(p.detach().cpu(), torch.full((3,), 0.9))
+        torch.testing.assert_close(p.detach().cpu(), torch.full((3,), 0.8))
 
 
 @pytest.mark.parametrize("mode", [FUSED, STRICT])
@@ -217,3 +222,29 @@ def test_fused_donates_only_arrays_nothing_else_holds():
     assert counts("segment_compiles", "segment_cache_hits") == (1, 2)
     assert not held.is_deleted() and held.tolist() == [3.0] * 4
     assert x.cpu().tolist() == [4.0] * 4 and y.cpu().tolist() == [4.0] * 4
+
+
+def test_fused_training_step_donates_parameters_and_optimizer_state():
+    """The forward's index checks (embedding, the loss's targets) keep its segment from donating
+    its inputs; the backward starts a segment of its own, which with the optimizer step donates
+    the parameters and optimizer state it overwrites, so their memory does not double."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 50))
+    idx, tgt = torch.randint(0, 50, (4, 8)), torch.randint(0, 50, (4, 8))
+    results = {}
+    for mode in (STRICT, FUSED):
+        m = copy.deepcopy(model).to("tpu")
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        with torch.tpu.set_eager_mode(mode):
+            for _ in range(3):
+                before = counts("donated_buffers")[0]
+                loss = F.cross_entropy(m(idx.to("tpu")).flatten(0, 1), tgt.to("tpu").flatten())
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                torch.tpu.synchronize()
+        results[mode] = ([p.detach().cpu() for p in m.parameters()], counts("donated_buffers")[0] - before)
+    params, donated = results[FUSED]
+    assert donated >= 3 * 2  # at least each parameter and its two AdamW moments
+    for a, b in zip(params, results[STRICT][0]):
+        torch.testing.assert_close(a, b)

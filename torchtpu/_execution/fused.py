@@ -21,6 +21,7 @@ import weakref
 
 import jax
 import numpy as np
+import torch
 
 from .._device import storage
 from .._device.storage import Failed, Pending
@@ -36,7 +37,7 @@ _EAGER_ROUNDING = {"xla_allow_excess_precision": False}
 
 class _Trace:
     __slots__ = ("device", "signature", "where", "ext_arrays", "ext_ids", "scalars", "pendings",
-                 "captured")
+                 "captured", "in_backward")
 
     def __init__(self, device):
         self.device = device
@@ -47,10 +48,17 @@ class _Trace:
         self.scalars = []
         self.pendings = []    # per slot
         self.captured = False  # taken over by torch.compile: never flushed
+        self.in_backward = False  # recording the ops of a backward pass (the autograd engine's)
 
 
 _trace = None
 _segments = {}
+# A backward pass starts a new segment.  The forward's index checks (embedding, the loss's
+# targets) forbid donating inputs to their segment, since a failure is replayed from intact
+# inputs; in a segment of its own, the backward and the optimizer step after it donate the
+# parameters and optimizer state they overwrite, so that memory does not double.  XLA:CPU also
+# runs the two programs about 10-15% faster than one.
+_graph_task_id = torch._C._current_graph_task_id  # >= 0 while the autograd engine runs
 
 
 def record(kernel, compiled, vals, buffers, scalars, device):
@@ -60,6 +68,11 @@ def record(kernel, compiled, vals, buffers, scalars, device):
         if tr is not None:
             flush("device_change")
         tr = _trace = _Trace(device)
+    if (_graph_task_id() >= 0) is not tr.in_backward:
+        if not tr.in_backward and tr.signature and not tr.captured:
+            flush("backward")
+            tr = _trace = _Trace(device)
+        tr.in_backward = not tr.in_backward
     # An input is either a slot produced earlier in this trace (>= 0) or an external array (< 0).
     wiring = []
     for b in buffers:
@@ -165,16 +178,24 @@ def flush(reason):
         counters["compile_seconds"] += time.perf_counter() - start
     else:
         counters["segment_cache_hits"] += 1
-    if failed is not None:
-        _replay_and_raise(tr, reason)
-        return
-    for slot, array in zip(outputs, results):
-        p = tr.pendings[slot]
-        owner = p.owner()
-        if owner is not None and owner._array is p:
-            owner._array = array
-    if results:
-        sync.track(results[0])
+    try:
+        if failed is not None:
+            _replay_and_raise(tr, reason)
+            return
+        for slot, array in zip(outputs, results):
+            p = tr.pendings[slot]
+            owner = p.owner()
+            if owner is not None and owner._array is p:
+                owner._array = array
+        if results:
+            sync.track(results[0])
+    finally:
+        # The trace and its Pending values refer to each other, so only the cyclic garbage
+        # collector frees it: until then, the arrays it read would stay referenced, and the
+        # next segment could not donate them.
+        tr.ext_arrays.clear()
+        tr.ext_ids.clear()
+        tr.pendings.clear()
 
 
 # Python numbers are passed to the segment packed into one array per type (one transfer
