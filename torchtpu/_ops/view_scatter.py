@@ -3,6 +3,7 @@ emit for `x[1:].zero_()`, `x.select(0, i).copy_(y)`, `x.diagonal().fill_(v)`...)
 `input` with `src` written where the view would be."""
 import jax.numpy as jnp
 
+from .._device import storage
 from .registry import lowering
 
 
@@ -37,7 +38,7 @@ def diagonal_scatter(x, src, offset=0, dim1=0, dim2=1):
 
 def _check_as_strided_scatter(x, src, size, stride, storage_offset=None):
     offset = storage_offset or 0
-    needed = offset if 0 in size else offset + 1 + sum((n - 1) * s for n, s in zip(size, stride))
+    needed = storage.storage_numel(size, stride, offset)
     if needed > x.numel():
         itemsize = x.element_size()
         raise RuntimeError(
