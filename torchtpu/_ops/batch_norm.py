@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from .._device.dtypes import to_jax_dtype, to_torch_dtype
 from .nn import inverse_sqrt, round_to
 from .registry import HALF_TYPES, lowering
 
@@ -24,11 +25,15 @@ def _per_channel(v, x):
 
 
 def _stats_dtype(x, *params):
-    """The dtype PyTorch's CPU kernel keeps statistics in: a half-precision input's own type,
-    unless some parameter is float32 ("mixed type"), then float32."""
-    if x.dtype in HALF_TYPES and not any(p is not None and p.dtype == jnp.float32 for p in params):
-        return x.dtype
-    return jnp.promote_types(x.dtype, jnp.float32)
+    """The (JAX) dtype PyTorch's CPU kernel keeps statistics in: a half-precision input's own
+    type, unless some parameter is float32 ("mixed type"), then float32.  Takes arrays, or on
+    the host tensors."""
+    def dtype(t):
+        return to_jax_dtype(t.dtype) if isinstance(t, torch.Tensor) else t.dtype
+
+    if dtype(x) in HALF_TYPES and not any(p is not None and dtype(p) == jnp.float32 for p in params):
+        return dtype(x)
+    return jnp.promote_types(dtype(x), jnp.float32)
 
 
 def _normalise(x, mean, invstd, weight, bias):
@@ -130,12 +135,10 @@ def batch_norm_backward(grad, x, weight, running_mean, running_var, save_mean, s
 # --- the eager ops with in-place running statistics --------------------------------------
 
 def _saved_dtype(x, *params):
-    """The dtype of the statistics PyTorch's CPU kernels return (PyTorch's meta kernels, which
-    fix the table ops' output dtypes, say float32 for any half-precision input, as on CUDA)."""
-    if x.dtype in (torch.float16, torch.bfloat16) and any(
-            p is not None and p.dtype == torch.float32 for p in params):
-        return torch.float32
-    return x.dtype
+    """The dtype of the statistics PyTorch's CPU kernels return, those they compute in
+    (PyTorch's meta kernels, which fix the table ops' output dtypes, say float32 for any
+    half-precision input, as on CUDA)."""
+    return to_torch_dtype(_stats_dtype(x, *params))
 
 
 def _no_stats(x, weight, bias, training, momentum, eps):

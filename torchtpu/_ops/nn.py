@@ -436,16 +436,25 @@ def _gather(x, index, sizes):
     return jnp.where(inside[:, None], values, 0)
 
 
+# PyTorch's cubic convolution (A = -0.75), in its kernels' order of operations, `r` rounding
+# after each one (identity: none).  5A, 8A, 4A, A + 2 and A + 3 are exact in every float type.
+_CUBIC_A = -0.75
+
+
+def _cubic_far(r, v):  # 1 < |v| < 2
+    a = _CUBIC_A
+    return r(r(r(r(r(r(a * v) - 5 * a) * v) + 8 * a) * v) - 4 * a)
+
+
+def _cubic_near(r, v):  # |v| <= 1
+    a = _CUBIC_A
+    return r(r(r(r(r((a + 2) * v) - (a + 3)) * v) * v) + 1)
+
+
 def _cubic_coefficients(r, t):
-    a = -0.75  # 5a, 8a, 4a, a + 2 and a + 3 are exact in every float type
-
-    def far(v):  # 1 < |v| < 2
-        return r(r(r(r(r(r(a * v) - 5 * a) * v) + 8 * a) * v) - 4 * a)
-
-    def near(v):  # |v| <= 1
-        return r(r(r(r(r((a + 2) * v) - (a + 3)) * v) * v) + 1)
-
-    return [far(r(t + 1)), near(t), near(r(1 - t)), far(r(2 - t))]
+    """The four tap weights of the grid sampler's kernel (its last tap from 2 - t)."""
+    return [_cubic_far(r, r(t + 1)), _cubic_near(r, t), _cubic_near(r, r(1 - t)),
+            _cubic_far(r, r(2 - t))]
 
 
 def _grid_sample(x, grid, interpolation_mode, padding_mode, align_corners):
@@ -621,10 +630,10 @@ def _cubic_taps(in_size, out_size, align_corners, scale, dtype):
     src = _source_index(in_size, out_size, align_corners, scale, f, cubic=True)
     i0 = np.minimum(np.floor(src).astype(np.int64), in_size - 1)
     t = np.clip(src - i0.astype(f), 0, 1).astype(f)
-    a = f(-0.75)
-    near = lambda v: ((a + 2) * v - (a + 3)) * v * v + 1
-    far = lambda v: ((a * v - 5 * a) * v + 8 * a) * v - 4 * a
-    weights = [far(t + f(1)), near(t), near(f(1) - t), far(f(1) - t + f(1))]
+    exact = lambda v: v  # in `f` throughout, rounded only when stored below
+    # The upsampling kernel takes its last tap from (1 - t) + 1.
+    weights = [_cubic_far(exact, t + f(1)), _cubic_near(exact, t), _cubic_near(exact, f(1) - t),
+               _cubic_far(exact, f(1) - t + f(1))]
     return ([np.clip(i0 + k - 1, 0, in_size - 1) for k in range(4)],
             [w.astype(f).astype(dtype).astype(f) for w in weights])
 
