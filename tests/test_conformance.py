@@ -157,7 +157,7 @@ def test_op_matches_cpu(name, opinfos):
 
 def test_runner_reports_wrong_answers_and_missing_ops(opinfos, monkeypatch):
     """A mismatching sample is reported failed (never skipped), a missing op as not implemented."""
-    from torchtpu._ops import registry
+    from torchtpu._core import registry
     op = opinfos["sigmoid"]
     low = registry.TABLE[torch.ops.aten.sigmoid.default]
     monkeypatch.setattr(low, "fn", lambda x: x * 0.5)  # a deliberately wrong lowering

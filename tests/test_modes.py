@@ -205,7 +205,7 @@ def test_debug_nan_check(monkeypatch):
 
 
 def test_fused_donates_only_arrays_nothing_else_holds():
-    from torchtpu._device import storage
+    from torchtpu._core import storage
     x = torch.ones(4, device="tpu")
     y = torch.ones(4, device="tpu")
     fused.clear_cache()

@@ -5,23 +5,23 @@
 """
 import torch
 
-from ._device import module as _module
-from ._device import registration as _registration
-from ._device import runtime as _runtime  # noqa: F401  (torchtpu._runtime.platform())
+from ._frontend import torch_tpu as _module
+from ._frontend import registration as _registration
+from ._core import runtime as _runtime  # noqa: F401  (torchtpu._runtime.platform())
 
 __version__ = "0.1.0"
 
 _registration.register_backend(_module)
 if not hasattr(torch.tpu, "_torchtpu_library"):
-    from ._device import serialization as _serialization
+    from ._frontend import serialization as _serialization
     _serialization.register()
 
 
 def _install_kernels():
-    from . import _ops  # noqa: F401  (fills the lowering table)
-    from ._execution import fallback, fused, kernels
-    from ._device import streams
-    from ._ops import batch_norm, factorizations, masks, rrelu, transfer, views
+    from . import _lowerings  # noqa: F401  (fills the lowering table)
+    from ._execution import fallback, fused, kernels, masks, transfer, views
+    from ._frontend import streams
+    from ._lowerings import batch_norm, factorizations, rrelu
 
     lib = torch.library.Library("aten", "IMPL")
     views.register(lib)
@@ -32,10 +32,11 @@ def _install_kernels():
     kernels.register_table(lib, skip=manual)
     fallback_lib = torch.library.Library("_", "IMPL")
     fallback.register(fallback_lib)
-    from ._device import autocast, modules
+    from ._frontend import autocast, patches
     autocast.register(lib, fallback_lib)
-    modules.install()
-    from ._device import current, storage
+    patches.install()
+    from ._core import storage
+    from ._frontend import current
     storage.install()
     current.install()
     fused.install()
@@ -58,7 +59,7 @@ torch.tpu.pallas = pallas
 def metrics():
     """Counters since start (or the last `reset_metrics()`): ops dispatched, executables
     compiled, host<->device transfers, CPU fallbacks."""
-    from ._execution import metrics as m
+    from ._core import metrics as m
     return m.snapshot()
 
 
@@ -66,12 +67,12 @@ def metrics_report():
     """A readable table of the metrics: op counts by name, compiles and compile time, cache
     hits, transfers and bytes, CPU fallbacks by op, flush reasons. `TORCHTPU_METRICS=1` prints
     it when the process exits."""
-    from ._execution import metrics as m
+    from ._core import metrics as m
     return m.report()
 
 
 def reset_metrics():
-    from ._execution import metrics as m
+    from ._core import metrics as m
     m.reset()
 
 

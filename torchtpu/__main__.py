@@ -9,7 +9,7 @@ def info():
     import torch
 
     import torchtpu
-    from torchtpu._device import runtime
+    from torchtpu._core import runtime
 
     print(f"torchtpu  {torchtpu.__version__}")
     print(f"torch     {torch.__version__}")

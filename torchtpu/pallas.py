@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from ._device.dtypes import to_jax_dtype, to_torch_dtype
-from ._ops import registry
+from ._core.dtypes import to_jax_dtype, to_torch_dtype
+from ._core import registry
 
 _NAMESPACE = "torchtpu_jax"
 _library = torch.library.Library(_NAMESPACE, "FRAGMENT")

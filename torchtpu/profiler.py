@@ -14,7 +14,7 @@ import jax
 import torch
 
 from ._execution import fused
-from ._execution.metrics import span  # noqa: F401  (re-exported)
+from ._core.metrics import span  # noqa: F401  (re-exported)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ _OPTIONS = {"cpu_fallback"}
 @functools.lru_cache(maxsize=None)
 def _decompositions():
     from torch._decomp import core_aten_decompositions
-    from .._ops import registry
+    from .._core import registry
     table = dict(core_aten_decompositions())
     # Ops the lowering table implements directly stay whole (one fused kernel, not many).
     for op in list(table):
@@ -103,10 +103,12 @@ def skip_own_frames():
     import jaxlib
     from torch._dynamo import trace_rules
 
-    from .. import _device, _execution, _ops
-    for package in (_device, _execution, _ops, jax, jaxlib):
+    for package in (jax, jaxlib):
         trace_rules.SKIP_DIRS.append(package.__path__[0] + os.sep)
-    trace_rules.SKIP_DIRS.append(os.path.dirname(__file__) + os.sep)
+    # torchtpu's own layers, named by path (the front door sits above this package).
+    root = os.path.dirname(os.path.dirname(__file__))
+    for name in ("_core", "_lowerings", "_execution", "_compile", "_frontend"):
+        trace_rules.SKIP_DIRS.append(os.path.join(root, name) + os.sep)
     trace_rules._recompile_re()
     _capturable_optimizers_on_tpu()
     _skipping[0] = True

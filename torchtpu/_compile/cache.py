@@ -7,7 +7,7 @@ import os
 
 import jax
 
-from .._execution import metrics
+from .._core import metrics
 
 # Per-op executables compile in milliseconds; storing each would cost more than it saves.
 MIN_COMPILE_SECONDS = 0.2

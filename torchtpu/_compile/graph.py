@@ -14,11 +14,12 @@ import warnings
 import jax
 import torch
 
-from .._device import storage
-from .._execution import fused, metrics, sync
+from .._core import storage
+from .._execution import fused, sync
+from .._core import metrics
 from .._execution.debug import describe_key
 from .._execution.random import next_key_parts
-from .._ops import registry
+from .._core import registry
 
 _MANUAL = {"aten::copy_", "aten::_local_scalar_dense", "aten::resize_"}
 

@@ -23,10 +23,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .._device import runtime, storage
-from .._device.dtypes import to_jax_dtype
-from .._execution import fused, metrics
-from .._ops.transfer import value_of
+from .._core import runtime, storage
+from .._core.dtypes import to_jax_dtype
+from .._execution import fused
+from .._core import metrics
+from .._execution.transfer import value_of
 from . import launch, programs
 
 _REDUCE_OPS = {

@@ -1,1 +1,2 @@
-"""Running ops: strict, fused and debug eager, kernels, fallback, random state, metrics."""
+"""Running ops: the op kernel (every mode), strict, fused and debug eager, the dispatcher
+kernels that are not lowerings (views, transfers, masks), the CPU fallback and random state."""

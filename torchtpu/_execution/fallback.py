@@ -5,7 +5,7 @@ import warnings
 import torch
 from torch.utils._pytree import tree_map
 
-from . import metrics
+from .._core import metrics
 
 _warned = set()
 
@@ -16,7 +16,7 @@ def _fallback(op, *args, **kwargs):
         raise NotImplementedError(
             f"The operator '{name}' is not implemented for the tpu device. "
             "Set torch.tpu.enable_cpu_fallback = True to run it on the CPU instead.")
-    from .._ops.transfer import to_host
+    from .transfer import to_host
     from . import fused
     fused.flush("cpu_fallback")
     if name not in _warned:

@@ -23,9 +23,10 @@ import jax
 import numpy as np
 import torch
 
-from .._device import storage
-from .._device.storage import Failed, Pending
-from . import debug, metrics, modes, sync
+from .._core import storage
+from .._core.storage import Failed, Pending
+from . import debug, modes, sync
+from .._core import metrics
 
 max_ops = int(os.environ.get("TORCHTPU_FUSE_MAX_OPS", "2048"))
 _MAX_SEGMENTS = 512

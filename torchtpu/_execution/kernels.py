@@ -1,8 +1,8 @@
 """Installs one PrivateUse1 kernel per overload of the lowering table."""
 import torch
 
-from .._ops import registry
-from .strict import OpKernel
+from .._core import registry
+from .op_kernel import OpKernel
 
 _kernels = {}
 

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import torch
 
-from .._device import runtime
+from .._core import runtime
 
 _DEFAULT_SEED = 67280421310721
 

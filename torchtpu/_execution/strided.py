@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._device.storage import contiguous_strides
+from .._core.storage import contiguous_strides
 
 
 def _as_dtype(array, dtype):

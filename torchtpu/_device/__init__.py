@@ -1,1 +1,0 @@
-"""The device: registration, runtime, storages, dtypes, the torch.tpu module."""

@@ -1,0 +1,46 @@
+"""Boolean-mask indexing (`x[mask]`, `x[mask] = v`): the mask's nonzero() positions decide the
+result's shape, so it synchronises (as on CUDA), then runs the integer-index lowering."""
+import torch
+
+aten = torch.ops.aten
+
+
+def _integer_indices(indices):
+    out = []
+    for i in indices:
+        if i is not None and i.dtype in (torch.bool, torch.uint8):
+            out.extend(i.nonzero().unbind(1))
+        else:
+            out.append(i)
+    return out
+
+
+def _has_mask(indices):
+    return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices)
+
+
+def register(lib):
+    from .kernels import kernel_for
+    index, index_put, index_put_ = (kernel_for(aten.index.Tensor), kernel_for(aten.index_put.default),
+                                    kernel_for(aten.index_put_.default))
+
+    def index_kernel(x, indices):
+        return index(x, _integer_indices(indices) if _has_mask(indices) else indices)
+
+    def index_put_kernel(x, indices, values, accumulate=False):
+        return index_put(x, _integer_indices(indices) if _has_mask(indices) else indices, values, accumulate)
+
+    def index_put__kernel(x, indices, values, accumulate=False):
+        return index_put_(x, _integer_indices(indices) if _has_mask(indices) else indices, values, accumulate)
+
+    lib.impl(aten.index.Tensor, index_kernel, "PrivateUse1")
+    lib.impl(aten.index_put.default, index_put_kernel, "PrivateUse1")
+    impl = kernel_for(aten._index_put_impl_.default)
+
+    def index_put_impl_kernel(x, indices, values, accumulate=False, unsafe=False):
+        return impl(x, _integer_indices(indices) if _has_mask(indices) else indices, values, accumulate, unsafe)
+
+    lib.impl(aten.index_put_.default, index_put__kernel, "PrivateUse1")
+    lib.impl(aten._index_put_impl_.default, index_put_impl_kernel, "PrivateUse1")
+    return {aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
+            aten._index_put_impl_.default}

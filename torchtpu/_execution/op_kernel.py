@@ -1,0 +1,577 @@
+"""Strict eager: every op runs as a cached, compiled JAX executable, dispatched asynchronously.
+
+For each registered overload a PrivateUse1 kernel turns the call into
+  key   = (static args, each tensor's dtype/shape/stride/offset/aliasing, scalar types)
+  miss  -> PyTorch's meta kernel gives the outputs' dtypes/shapes/strides and PyTorch's own
+           errors for bad input; a `jax.jit` of  read views -> lowering -> write back / store
+           is built once and cached under the key
+  call  -> the jitted function on the storages' arrays; outputs become new storages, in-place
+           results replace the mutated storages' arrays.
+Nothing is committed before the executable returned (and its index checks passed), so a
+failing op leaves every tensor as it was.
+"""
+import threading
+
+import jax
+import jax.numpy as jnp
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .._core import runtime, storage
+from .._core.dtypes import to_jax_dtype, to_torch_dtype
+from .._core import registry
+from . import debug, fused, modes, overlap, strided, sync
+from .._core import metrics
+from .random import next_key_parts, key_from_parts
+
+_T, _TOPT, _TLIST, _SCALAR, _STATIC, _DEVICE, _SCALARLIST = range(7)
+_meta_device = torch.device("meta")
+
+
+class _Arg:
+    __slots__ = ("name", "kind", "kwarg_only", "default", "is_write", "is_out")
+
+
+def _classify(schema, static_scalars):
+    args = []
+    for a in schema.arguments:
+        x = _Arg()
+        x.name = a.name
+        x.kwarg_only = a.kwarg_only
+        x.default = a.default_value if a.has_default_value() else None
+        x.is_write = a.alias_info is not None and a.alias_info.is_write
+        x.is_out = a.is_out
+        t = str(a.type)
+        if t == "Tensor":
+            x.kind = _T
+        elif t == "Optional[Tensor]":
+            x.kind = _TOPT
+        elif t in ("List[Tensor]", "List[Optional[Tensor]]"):
+            x.kind = _TLIST
+        elif t in ("number", "Optional[number]") and a.name not in static_scalars:
+            x.kind = _SCALAR
+        elif t == "List[number]" and a.name not in static_scalars:
+            x.kind = _SCALARLIST
+        elif t in ("Device", "Optional[Device]"):
+            x.kind = _DEVICE
+        else:
+            x.kind = _STATIC
+        args.append(x)
+    return args
+
+
+def _hashable(v):
+    if isinstance(v, list):
+        return tuple(_hashable(x) for x in v)
+    return v
+
+
+class _OutResized(Exception):
+    pass
+
+
+class _Compiled:
+    __slots__ = ("key", "fn", "run", "out_specs", "wrap_specs", "writes", "check_info", "returns", "list_len")
+
+
+def _device_mismatch(a, b):
+    return RuntimeError(
+        f"Expected all tensors to be on the same device, but found at least two devices, {a} and {b}!")
+
+
+class OpKernel:
+    """The PrivateUse1 kernel of one overload."""
+
+    def __init__(self, overload, low):
+        self.overload = overload
+        self.low = low
+        schema = overload._schema
+        self.args = _classify(schema, low.static)
+        self.n_args = len(self.args)
+        self.functional_args = [i for i, a in enumerate(self.args) if not a.is_out]
+        self.writes = [i for i, a in enumerate(self.args) if a.is_write]
+        self.returns = schema.returns
+        self.cache = {}
+        self.lock = threading.Lock()
+        self.metric_key = f"op::{overload}"
+
+    # -- binding -------------------------------------------------------------------------
+    def bind(self, args, kwargs):
+        vals = list(args)
+        if len(vals) < self.n_args:
+            for a in self.args[len(vals):]:
+                vals.append(kwargs[a.name] if a.name in kwargs else a.default)
+        return vals
+
+    # -- the hot path ----------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        try:
+            return self._call(args, kwargs)
+        except _OutResized:
+            return self._call(args, kwargs)
+
+    def _call(self, args, kwargs):
+        vals = self.bind(args, kwargs)
+        if self.low.validate is not None:
+            self.low.validate(*[vals[i] for i in self.functional_args])
+        key = []
+        buffers = []
+        scalars = []
+        device = None
+        for a, v in zip(self.args, vals):
+            kind = a.kind
+            if kind == _T or kind == _TOPT:
+                if v is None:
+                    key.append(None)
+                else:
+                    device = self._tensor(v, key, buffers, scalars, device)
+            elif kind == _TLIST:
+                key.append(len(v))
+                for t in v:
+                    if t is None:
+                        key.append(None)
+                    else:
+                        device = self._tensor(t, key, buffers, scalars, device)
+            elif kind == _SCALAR:
+                if v is None:
+                    key.append(None)
+                else:
+                    key.append(type(v))
+                    scalars.append(v)
+            elif kind == _SCALARLIST:
+                key.append(tuple(map(type, v)))
+                scalars.extend(v)
+            elif kind == _DEVICE:
+                if v is not None:
+                    v = torch.device(v)
+                    if v.type == "tpu" and device is None:
+                        device = v.index if v.index is not None else runtime.current_device()
+                key.append(v)
+            else:
+                key.append(_hashable(v))
+        if device is None:
+            device = runtime.current_device()
+        if not buffers:
+            key.append(torch.get_default_dtype())
+        if scalars and not modes.fused:
+            scalars = [_device_scalar(v, device) for v in scalars]
+        if self.low.random:
+            scalars = list(next_key_parts(device)) + scalars
+        if self.low.precision:
+            key.append(torch.get_float32_matmul_precision())
+        key.append(device)
+        key = tuple(key)
+        compiled = self.cache.get(key)
+        if compiled is None:
+            compiled = self._compile(key, vals, buffers, scalars, device)
+        if modes.fused:
+            if not self.low.eager:
+                return fused.record(self, compiled, vals, buffers, scalars, device)
+            fused.flush("data_dependent")
+        arrays = [b.value() for b in buffers]
+        if self.low.eager:
+            return self._run_eager(compiled, vals, arrays, buffers, scalars, device)
+        metrics.counters[self.metric_key] += 1
+        if modes.blocking:
+            outs, updated, checks = self._run_blocking(compiled, vals, arrays, scalars)
+        else:
+            outs, updated, checks = compiled.fn(*arrays, *scalars)
+        if checks:
+            self._raise_failed_checks(compiled, checks)
+        return self._commit(compiled, vals, outs, updated, buffers, device)
+
+    def _run_blocking(self, compiled, vals, arrays, scalars):
+        """Debug eager: wait for the op, and name it, its inputs and the caller on failure."""
+        try:
+            outs, updated, checks = compiled.fn(*arrays, *scalars)
+            jax.block_until_ready((outs, updated))
+        except Exception as e:
+            raise debug.attributed(e, self.overload, debug.describe_inputs(vals),
+                                   debug.user_frame(3)) from e
+        if modes.check_nans and not checks:
+            bad = debug.first_non_finite(list(outs) + list(updated))
+            if bad is not None:
+                raise RuntimeError(
+                    f"{self.overload} produced NaN or Inf (TORCHTPU_CHECK_NANS=1); inputs: "
+                    f"{debug.describe_inputs(vals)}; called from "
+                    f"{debug.format_where(debug.user_frame(3))}")
+        return outs, updated, checks
+
+    def _tensor(self, t, key, buffers, scalars, device):
+        if not isinstance(t, torch.Tensor):
+            # PyTorch hands wrapped numbers (`x + 1`) to Python kernels as plain numbers.
+            key.append(type(t))
+            scalars.append(t)
+            return device
+        buf = getattr(t.untyped_storage(), "_tpu", None)
+        if buf is not None:
+            index = buf.index
+            if device is None:
+                device = index
+            elif device != index:
+                raise _device_mismatch(f"tpu:{device}", t.device)
+            j = _index_of(buffers, buf)
+            if j == len(buffers):
+                buffers.append(buf)
+            if t.is_conj() or t.is_neg():  # lazily conjugated/negated views (x.conj(), ...)
+                key.append((t.dtype, t.shape, t.stride(), t.storage_offset(), j, t.is_conj(), t.is_neg()))
+            else:
+                key.append((t.dtype, t.shape, t.stride(), t.storage_offset(), j))
+        elif t.dim() == 0 and t.device.type == "cpu":
+            # A 0-dim CPU tensor mixes with device tensors (as with CUDA): its value is traced.
+            key.append(("cpu", t.dtype, _is_wrapped_number(t)))
+            scalars.append(t.item())
+        else:
+            raise _device_mismatch(f"tpu:{device if device is not None else runtime.current_device()}", t.device)
+        return device
+
+    def _raise_failed_checks(self, compiled, checks):
+        for ok, (exc_type, message) in zip(jax.device_get(checks), compiled.check_info):
+            if not bool(ok):
+                raise exc_type(message)
+
+    def _commit(self, compiled, vals, outs, updated, buffers, device):
+        for j, arr in zip(compiled.writes, updated):
+            buffers[j].array = arr
+        new = [storage.wrap(arr, shape, stride, dtype, device, nbytes)
+               for arr, (shape, stride, dtype, nbytes) in zip(outs, compiled.wrap_specs)]
+        if outs:
+            sync.track(outs[0])
+        elif updated:
+            sync.track(updated[0])
+        return self._returns(compiled, vals, new)
+
+    def _returns(self, compiled, vals, new):
+        results = []
+        it = iter(new)
+        for source in compiled.returns:
+            if source is None:
+                results.append(next(it))
+            elif source == "none":
+                results.append(None)
+            elif source == "list":
+                results.append([next(it) for _ in range(compiled.list_len)])
+            else:
+                results.append(vals[source])
+        if not results:
+            return None
+        return results[0] if len(results) == 1 else tuple(results)
+
+    # -- building an executable ------------------------------------------------------------
+    def _meta_args(self, vals):
+        metas = {}
+
+        def meta_of(t):
+            if not isinstance(t, torch.Tensor) or t.device.type != "tpu":
+                return t
+            st = t.untyped_storage()
+            base = metas.get(id(st))
+            if base is None:
+                base = metas[id(st)] = torch.empty(st.nbytes(), dtype=torch.uint8, device="meta")
+            itemsize = t.dtype.itemsize
+            usable = base[: (base.numel() // itemsize) * itemsize]
+            return usable.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+        pos, kw = [], {}
+        for a, v in zip(self.args, vals):
+            if a.kind in (_T, _TOPT) and v is not None:
+                v = meta_of(v)
+            elif a.kind == _TLIST:
+                v = [None if t is None else meta_of(t) for t in v]
+            elif a.kind == _DEVICE and v is not None and torch.device(v).type == "tpu":
+                v = _meta_device
+            if a.kwarg_only:
+                kw[a.name] = v
+            else:
+                pos.append(v)
+        return pos, kw
+
+    def _compile(self, key, vals, buffers, scalars, device):
+        with self.lock:
+            compiled = self.cache.get(key)
+            if compiled is not None:
+                return compiled
+            with metrics.span(f"torchtpu::compile {self.overload}"):
+                compiled = self._build(vals, buffers, scalars, device)
+            compiled.key = key
+            if not self.low.eager:  # eager ops run un-jitted and are rebuilt per call
+                metrics.counters["compiles"] += 1
+                self.cache[key] = compiled
+            return compiled
+
+    def _build(self, vals, buffers, scalars, device):
+        overlap.check(self, vals, resized=False)
+        compiled = _Compiled()
+        pos, kw = self._meta_args(vals)
+        if self.low.eager:
+            meta_out = None
+        else:
+            meta_out = self.overload(*pos, **kw)
+            self._resize_outs(vals, pos, kw)
+            overlap.check(self, vals, resized=True)
+
+        # Where each return comes from: a fresh output (None) or a mutated argument (its index).
+        returns = [self._aliased_input(r) if r.alias_info is not None and r.alias_info.is_write
+                   else None for r in self.returns]
+        if isinstance(meta_out, (tuple, list)) and not self._returns_list():
+            # Outputs the op leaves undefined (e.g. convolution_backward's masked-off grads).
+            returns = ["none" if r is None and m is None else r for r, m in zip(returns, meta_out)]
+        compiled.returns = returns
+        out_specs = [] if meta_out is None else [
+            (tuple(m.shape), _dense_strides(m), m.dtype)
+            for m in self._fresh_meta_outputs(meta_out, returns)]
+        compiled.out_specs = out_specs
+        compiled.wrap_specs = _wrap_specs(out_specs)
+        compiled.list_len = len(out_specs) if returns == [None] and self._returns_list() else 0
+        if compiled.list_len:
+            compiled.returns = ["list"]
+
+        # Tensor slots as the lowering sees them, in schema order.
+        slots = self._slots(vals, buffers)
+        write_targets = self._write_targets(vals, buffers)
+        compiled.writes = sorted({j for j, *_ in write_targets})
+        low, fargs_idx, argdefs = self.low, self.functional_args, self.args
+        promote = low.promote
+        promote_dtype = None
+        if promote is True and out_specs:
+            promote_dtype = to_jax_dtype(out_specs[0][2])
+        elif promote is True and write_targets:
+            promote_dtype = to_jax_dtype(vals[self.writes[0]].dtype) if argdefs[self.writes[0]].kind == _T else None
+        elif promote == "common":
+            tensors = [m for m in tree_flatten((pos, kw))[0] if isinstance(m, torch.Tensor)]
+            promote_dtype = to_jax_dtype(torch.result_type(*tensors[:2])) if len(tensors) >= 2 else None
+        n_buf = len(buffers)
+        # Only plain values may be captured: a captured tensor would never be freed.
+        consts = {}
+        for i in fargs_idx:
+            kind = argdefs[i].kind
+            if kind == _SCALAR:
+                consts[i] = vals[i] is None
+            elif kind == _SCALARLIST:
+                consts[i] = len(vals[i])
+            elif kind in (_STATIC, _DEVICE):
+                consts[i] = vals[i]
+        specs = [(shape, stride, to_jax_dtype(dtype)) for shape, stride, dtype in out_specs]
+        check_info = []
+
+        def run(*dyn):
+            arrays = dyn[:n_buf]
+            scalar_it = iter(dyn[n_buf:])
+            if low.random:
+                args = [key_from_parts(next(scalar_it), next(scalar_it))]
+            else:
+                args = []
+            for i in fargs_idx:
+                a = argdefs[i]
+                if a.kind in (_T, _TOPT):
+                    args.append(_read(slots[i], arrays, scalar_it, promote_dtype))
+                elif a.kind == _TLIST:
+                    args.append([_read(s, arrays, scalar_it, promote_dtype) for s in slots[i]])
+                elif a.kind == _SCALAR:
+                    args.append(None if consts[i] else next(scalar_it))
+                elif a.kind == _SCALARLIST:
+                    args.append([next(scalar_it) for _ in range(consts[i])])
+                else:
+                    args.append(consts[i])
+            registry._trace_state.checks = []
+            result = low.fn(*args)
+            checks = registry._trace_state.checks
+            registry._trace_state.checks = []
+            check_info[:] = [(exc, msg) for _, exc, msg in checks]
+            flat = [r for r in tree_flatten(result)[0] if r is not None]
+            new_arrays = list(arrays)
+            outs = []
+            if write_targets:  # in-place / out=: the results are the mutated arguments' values
+                flat_updates, flat = flat, []
+                for (j, shape, stride, offset, dtype, conj, neg), value in zip(write_targets, flat_updates):
+                    value = _unapply_bits(jnp.broadcast_to(jnp.asarray(value), shape), conj, neg)
+                    new_arrays[j] = strided.write(new_arrays[j], shape, stride, offset, dtype, value)
+            if low.eager and not specs:  # data-dependent shapes: the values define them
+                outs = [jnp.asarray(v) for v in flat]
+            for (shape, stride, dtype), value in zip(specs, flat):
+                value = jnp.broadcast_to(jnp.asarray(value).astype(dtype), shape)
+                outs.append(strided.store(value, stride))
+            return outs, [new_arrays[j] for j in compiled.writes], [c for c, _, _ in checks]
+
+        compiled.run = run
+        compiled.fn = run if low.eager else jax.jit(run)
+        compiled.check_info = check_info
+        return compiled
+
+    def _resize_outs(self, vals, pos, kw):
+        # The meta kernel resized the meta `out=` tensors as PyTorch would; do the same to the
+        # real ones, then run again with their new shapes in the key.
+        resized = False
+        for i, a in enumerate(self.args):
+            if not a.is_out or vals[i] is None:
+                continue
+            metas = kw[a.name] if a.kwarg_only else pos[i]
+            reals = vals[i]
+            if not isinstance(reals, (list, tuple)):  # `Tensor(a!)[] out` is a list
+                metas, reals = [metas], [reals]
+            for meta, real in zip(metas, reals):
+                if tuple(meta.shape) != tuple(real.shape) or meta.stride() != real.stride():
+                    real.resize_(meta.shape)
+                    if meta.stride() != real.stride():
+                        real.as_strided_(meta.shape, meta.stride())
+                    resized = True
+        if resized:
+            raise _OutResized
+
+    def _returns_list(self):
+        return len(self.returns) == 1 and isinstance(self.returns[0].type, torch.ListType)
+
+    def _aliased_input(self, ret):
+        # The i-th write-annotated return aliases the i-th mutated argument with the same set.
+        alias = ret.alias_info
+        for i in self.writes:
+            ai = self.overload._schema.arguments[i].alias_info
+            if ai is not None and ai.before_set == alias.before_set:
+                return i
+        return None
+
+    def _fresh_meta_outputs(self, meta_out, returns):
+        if returns and all(r is not None for r in returns):
+            return []
+        if isinstance(meta_out, (tuple, list)):
+            if self._returns_list():
+                return list(meta_out)
+            return [m for m, r in zip(meta_out, returns) if r is None and m is not None]
+        return [meta_out] if isinstance(meta_out, torch.Tensor) else []
+
+    def _slots(self, vals, buffers):
+        slots = {}
+
+        def slot_of(t):
+            if t is None:
+                return None
+            if not isinstance(t, torch.Tensor):
+                return ("num",)
+            if t.device.type != "tpu":
+                return ("cpu", to_jax_dtype(t.dtype))
+            j = _index_of(buffers, t.untyped_storage()._tpu)
+            return (j, tuple(t.shape), t.stride(), t.storage_offset(), to_jax_dtype(t.dtype),
+                    t.is_conj(), t.is_neg())
+
+        for i, (a, v) in enumerate(zip(self.args, vals)):
+            if a.kind in (_T, _TOPT):
+                slots[i] = slot_of(v)
+            elif a.kind == _TLIST:
+                slots[i] = [slot_of(t) for t in v]
+        return slots
+
+    def _write_targets(self, vals, buffers):
+        targets = []
+        for i in self.writes:
+            v = vals[i]
+            for t in (v if isinstance(v, (list, tuple)) else [v]):
+                j = _index_of(buffers, t.untyped_storage()._tpu)
+                targets.append((j, tuple(t.shape), t.stride(), t.storage_offset(), to_jax_dtype(t.dtype),
+                                t.is_conj(), t.is_neg()))
+        return targets
+
+    def _run_eager(self, compiled, vals, arrays, buffers, scalars, device):
+        metrics.counters[self.metric_key] += 1
+        metrics.counters["syncs"] += 1
+        outs, updated, checks = compiled.fn(*arrays, *scalars)
+        if checks:
+            self._raise_failed_checks(compiled, checks)
+        if not compiled.out_specs:
+            compiled.out_specs = [
+                (tuple(o.shape), storage.contiguous_strides(o.shape), to_torch_dtype(o.dtype))
+                for o in outs]
+            compiled.wrap_specs = _wrap_specs(compiled.out_specs)
+        return self._commit(compiled, vals, outs, updated, buffers, device)
+
+
+_int_probe = torch.empty((), dtype=torch.int32, device="meta")
+
+
+def _is_wrapped_number(t):
+    # PyTorch has no Python accessor for the flag; it only changes type promotion for the
+    # 64-bit dtypes Python numbers become, where promotion with an int tensor reveals it.
+    if t.dtype is torch.float64 or t.dtype is torch.complex128:
+        return torch.result_type(_int_probe, t) is not t.dtype
+    return False
+
+
+def _index_of(buffers, buf):
+    """Position of `buf` among the call's distinct storages (len(buffers) if new)."""
+    for j, b in enumerate(buffers):
+        if b is buf:
+            return j
+    return len(buffers)
+
+
+def _read(slot, arrays, scalar_it, promote_dtype):
+    if slot is None:
+        return None
+    if slot[0] == "num":
+        value = next(scalar_it)
+        return value if promote_dtype is None else jnp.asarray(value, promote_dtype)
+    if slot[0] == "cpu":
+        value = jnp.asarray(next(scalar_it), dtype=slot[1])
+    else:
+        j, shape, stride, offset, dtype, conj, neg = slot
+        value = _unapply_bits(strided.read(arrays[j], shape, stride, offset, dtype), conj, neg)
+    if promote_dtype is not None and value.dtype != promote_dtype:
+        value = value.astype(promote_dtype)
+    return value
+
+
+# Python numbers that recur (alpha=1, an epsilon, a learning rate) are passed to executables
+# as cached weakly typed device scalars: converting a number on every call costs ~1 us.
+# A value is cached from its second sighting, so per-call values (a step count) stay cheap;
+# zeros and NaN are never cached (-0.0 == 0.0 and NaN != NaN would confuse the lookup).
+_scalar_cache = {}
+_scalar_seen = set()
+_INT64 = (-(1 << 63), 1 << 63)
+
+
+def _device_scalar(v, device):
+    key = (type(v), v, device)
+    cached = _scalar_cache.get(key)
+    if cached is not None:
+        return cached
+    if type(v) is float:
+        if not v or v != v:
+            return v
+    elif type(v) is not int or not v or not _INT64[0] <= v < _INT64[1]:
+        return v
+    if key not in _scalar_seen:
+        if len(_scalar_seen) > 65536:
+            _scalar_seen.clear()
+        _scalar_seen.add(key)
+        return v
+    if len(_scalar_cache) > 4096:
+        _scalar_cache.clear()
+    cached = _scalar_cache[key] = jax.device_put(jnp.asarray(v), runtime.jax_device(device))
+    return cached
+
+
+def _unapply_bits(value, conj, neg):
+    """A conj/neg-bit view's logical value from its storage's (and, the same involution, the
+    storage value to write for a logical value)."""
+    if conj:
+        value = jnp.conj(value)
+    if neg:
+        value = -value
+    return value
+
+
+def _wrap_specs(out_specs):
+    return [(list(shape), list(stride), dtype,
+             storage.storage_numel(shape, stride) * dtype.itemsize)
+            for shape, stride, dtype in out_specs]
+
+
+def _dense_strides(m):
+    """Meta's strides when they describe a dense layout (any dim order), else contiguous."""
+    shape, stride = tuple(m.shape), m.stride()
+    dims = sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: -stride[d])
+    expected = 1
+    for d in reversed(dims):
+        if stride[d] != expected:
+            return storage.contiguous_strides(shape)
+        expected *= shape[d]
+    return stride

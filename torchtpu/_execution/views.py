@@ -1,0 +1,75 @@
+"""Metadata-only kernels: PyTorch's own CPU kernels compute every view's sizes/strides/offset
+over our storage (no buffer is touched), so aliasing is exactly PyTorch's."""
+import torch
+
+from .._core import storage
+from .._frontend.torch_tpu import _index as _device_index
+
+_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+aten = torch.ops.aten
+
+# View/metadata overloads that PyTorch implements per backend (CPU, CUDA, ...) rather than as
+# composites.  Every other view op (transpose, select, expand, detach, alias...) is a C++
+# composite over these and must stay unregistered: a tensor returned by a Python kernel already
+# has a Python object, which `nn.Parameter(t.detach())` and friends refuse.
+METADATA_OPS = [
+    aten.view.default, aten.as_strided.default, aten._reshape_alias.default, aten.unfold.default,
+    aten.set_.source_Storage, aten.set_.source_Storage_storage_offset, aten.set_.source_Tensor,
+    aten.set_.default, aten.as_strided_.default, aten.view_as_real.default,
+    aten.view_as_complex.default,
+]
+
+
+def _redispatch(op):
+    handle = op._handle
+
+    def kernel(*args, **kwargs):
+        return handle.redispatch_boxed(_CPU, *args, **kwargs)
+
+    return kernel
+
+
+def _empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    dtype = dtype or torch.get_default_dtype()
+    index = _device_index(device)
+    if memory_format is None or memory_format in (torch.contiguous_format, torch.preserve_format):
+        stride = storage.contiguous_strides(size)
+    else:
+        stride = torch.empty(size, device="meta", memory_format=memory_format).stride()
+    return _empty(list(size), stride, dtype, index)
+
+
+def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+    dtype = dtype or torch.get_default_dtype()
+    return _empty(list(size), list(stride), dtype, _device_index(device))
+
+
+def _empty(size, stride, dtype, index):
+    for n in size:
+        if n < 0:
+            raise RuntimeError(
+                f"Trying to create tensor with negative dimension {n}: {list(size)}")
+    return storage.wrap(None, size, stride, dtype, index)
+
+
+def _set_storage_kernel(op):
+    handle = op._handle
+
+    def kernel(self, source, *args, **kwargs):
+        buf = getattr(source, "_tpu", None)
+        if buf is not None and buf.from_bytes:
+            storage.retype_loaded(buf, self.dtype)
+        return handle.redispatch_boxed(_CPU, self, source, *args, **kwargs)
+
+    return kernel
+
+
+_SET_FROM_STORAGE = (aten.set_.source_Storage, aten.set_.source_Storage_storage_offset)
+
+
+def register(lib):
+    for op in METADATA_OPS:
+        kernel = _set_storage_kernel(op) if op in _SET_FROM_STORAGE else _redispatch(op)
+        lib.impl(op, kernel, "PrivateUse1")
+    lib.impl(aten.empty.memory_format, _empty_memory_format, "PrivateUse1")
+    lib.impl(aten.empty_strided.default, _empty_strided, "PrivateUse1")

@@ -1,0 +1,2 @@
+"""The front door: the `torch.tpu` module, backend registration, autocast, streams,
+serialization, and the patches of PyTorch globals."""

@@ -1,0 +1,123 @@
+"""torch.tpu.Stream / Event: what the CUDA-style stream API means on this device.
+
+JAX runs a device's work in dispatch order and orders dependent work by data, so each device
+has exactly one stream (the default, id 0): `Stream(...)` returns it, waiting on another stream
+is already satisfied, and `record_stream` has nothing to protect (an array lives while any
+queued executable uses it). Events are real: `record()` notes the device work dispatched so far
+(running any deferred fused ops), `query()`/`synchronize()` test/wait for it, and with
+`enable_timing=True` a watcher thread notes when it completed, so `elapsed_time` is the time
+between two events' completions as the host observed them (in milliseconds, like CUDA's).
+"""
+import contextlib
+import threading
+import time
+
+import torch
+
+from .._core import runtime
+
+
+def _index(device):
+    if device is None:
+        return runtime.current_device()
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    return device.index if device.index is not None else runtime.current_device()
+
+
+class Stream(torch.Stream):
+    """The device's one stream (see the module docstring)."""
+
+    def __new__(cls, device=None, priority=0, **kwargs):
+        return super().__new__(cls, device=torch.device("tpu", _index(device)), priority=priority)
+
+    def __init__(self, device=None, priority=0, **kwargs):
+        pass
+
+    def wait_stream(self, stream):
+        """Already ordered: all work of a device is one queue."""
+
+    def wait_event(self, event):
+        """Already ordered: work recorded by `event` was dispatched before anything after."""
+
+    def record_event(self, event=None):
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def query(self):
+        return Event().record(self).query()
+
+    def synchronize(self):
+        torch.tpu.synchronize(self.device_index)
+
+
+def current_stream(device=None):
+    return Stream(device)
+
+
+default_stream = current_stream
+
+
+def set_stream(stream):
+    """Nothing to switch: every stream of a device is its one stream."""
+
+
+@contextlib.contextmanager
+def stream(s):
+    yield s
+
+
+class Event:
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+        self.enable_timing = enable_timing
+        self._arrays = None
+        self._done_at = None
+        self._watcher = None
+
+    def record(self, stream=None):
+        from .._execution import fused, sync
+        fused.flush("event")
+        self._arrays = sync.pending()
+        self._done_at = None
+        if self.enable_timing:
+            self._watcher = threading.Thread(target=self._watch, daemon=True)
+            self._watcher.start()
+        return self
+
+    def _watch(self):
+        for a in self._arrays:
+            a.block_until_ready()
+        self._done_at = time.perf_counter()
+
+    def query(self):
+        if self._arrays is None:
+            return True
+        return all(a.is_ready() for a in self._arrays)
+
+    def wait(self, stream=None):
+        """Already ordered (see the module docstring)."""
+
+    def synchronize(self):
+        if self._watcher is not None:
+            self._watcher.join()
+        for a in self._arrays or ():
+            a.block_until_ready()
+
+    def elapsed_time(self, end_event):
+        if not (self.enable_timing and end_event.enable_timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        if self._arrays is None or end_event._arrays is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        self.synchronize()
+        end_event.synchronize()
+        return (end_event._done_at - self._done_at) * 1e3
+
+
+def _record_stream(self, stream):
+    pass
+
+
+def register(lib):
+    lib.impl(torch.ops.aten.record_stream.default, _record_stream, "PrivateUse1")

@@ -1,0 +1,196 @@
+"""Tensor factories and random ops (random ops draw from the per-device generator)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .meta import dtype_name
+from .._core.registry import check, lowering
+
+
+@lowering("aten::arange.start_step", "aten::arange.start_out", static=("start", "end", "step"))
+def arange(start, end, step=1, dtype=None, layout=None, device=None, pin_memory=None):
+    # Boolean bounds count as integers (XLA has no boolean iota); the output takes the op's dtype.
+    start, end, step = (int(v) if isinstance(v, bool) else v for v in (start, end, step))
+    return jnp.arange(start, end, step)
+
+
+@lowering("aten::full.default")
+def full(size, fill_value, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.full(tuple(size), fill_value)
+
+
+@lowering("aten::scalar_tensor.default")
+def scalar_tensor(s, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.asarray(s)
+
+
+@lowering("aten::linspace.default", static=("start", "end"))
+def linspace(start, end, steps, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.linspace(start, end, steps)
+
+
+@lowering("aten::eye.default")
+def eye(n, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.eye(n)
+
+
+@lowering("aten::eye.m")
+def eye_m(n, m, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.eye(n, m)
+
+
+def _floating(x):
+    return x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else jnp.float32
+
+
+def _check_uniform(x, low=0.0, high=1.0, generator=None):
+    if low > high:
+        raise RuntimeError(f"uniform_ expects to return a [from, to) range, but found from={low:g} > to={high:g}")
+
+
+@lowering("aten::uniform_.default", random=True, validate=_check_uniform)
+def uniform_(key, x, low=0.0, high=1.0, generator=None):
+    return jax.random.uniform(key, x.shape, jnp.float32, low, high).astype(x.dtype)
+
+
+@lowering("aten::normal_.default", random=True)
+def normal_(key, x, mean=0.0, std=1.0, generator=None):
+    return (jax.random.normal(key, x.shape, jnp.float32) * std + mean).astype(x.dtype)
+
+
+@lowering("aten::random_.from", random=True)
+def random_from(key, x, low, high=None, generator=None):
+    if high is None:
+        high = 2 ** 63 - 1 if x.dtype == jnp.int64 else int(jnp.iinfo(x.dtype).max) + 1 \
+            if jnp.issubdtype(x.dtype, jnp.integer) else 2 ** 24 + 1
+    return jax.random.randint(key, x.shape, low, high, jnp.int64).astype(x.dtype)
+
+
+@lowering("aten::random_.to", random=True)
+def random_to(key, x, high, generator=None):
+    return jax.random.randint(key, x.shape, 0, high, jnp.int64).astype(x.dtype)
+
+
+@lowering("aten::bernoulli_.float", random=True)
+def bernoulli_float(key, x, p=0.5, generator=None):
+    return jax.random.bernoulli(key, p, x.shape).astype(x.dtype)
+
+
+@lowering("aten::bernoulli_.Tensor", random=True)
+def bernoulli_tensor(key, x, p, generator=None):
+    return jax.random.bernoulli(key, jnp.broadcast_to(p, x.shape)).astype(x.dtype)
+
+
+@lowering("aten::bernoulli.default", random=True)
+def bernoulli(key, p, generator=None):
+    return jax.random.bernoulli(key, p).astype(p.dtype)
+
+
+@lowering("aten::native_dropout.default", random=True)
+def native_dropout(key, x, p, train=None):
+    if not train or p == 0:
+        return x, jnp.ones(x.shape, jnp.bool_)
+    if p == 1:
+        return jnp.zeros_like(x), jnp.zeros(x.shape, jnp.bool_)
+    keep = jax.random.bernoulli(key, 1.0 - p, x.shape)
+    return jnp.where(keep, x / (1.0 - p), 0).astype(x.dtype), keep
+
+
+@lowering("aten::native_dropout_backward.default")
+def native_dropout_backward(grad, mask, scale):
+    return grad * mask * scale
+
+
+@lowering("aten::exponential_.default", random=True)
+def exponential_(key, x, lambd=1.0, generator=None):
+    return (jax.random.exponential(key, x.shape, jnp.float32) / lambd).astype(x.dtype)
+
+
+def _check_multinomial(probs, num_samples, replacement=False, generator=None):
+    if not probs.dtype.is_floating_point:
+        raise RuntimeError(f"multinomial only supports floating-point dtypes for input, got: "
+                           f"{dtype_name(probs.dtype)}")
+    if num_samples <= 0:
+        raise RuntimeError("cannot sample n_sample <= 0 samples")
+    categories = probs.shape[-1] if probs.dim() else 1
+    if not replacement and num_samples > categories:
+        raise RuntimeError("cannot sample n_sample > prob_dist.size(-1) samples without replacement")
+    if categories > 2 ** 24:
+        raise RuntimeError("number of categories cannot exceed 2^24")
+
+
+@lowering("aten::multinomial.default", random=True, validate=_check_multinomial)
+def multinomial(key, probs, num_samples, replacement=False, generator=None):
+    probs = probs.astype(jnp.float32)
+    # The CPU kernel's checks of the values (CUDA's are device asserts).
+    check(jnp.all(jnp.isfinite(probs) & (probs >= 0)),
+          "probability tensor contains either `inf`, `nan` or element < 0", RuntimeError)
+    check(jnp.all(jnp.sum(probs, axis=-1) > 0),
+          "invalid multinomial distribution (sum of probabilities <= 0)", RuntimeError)
+    logits = jnp.log(probs)
+    if replacement:
+        keys = jax.random.split(key, num_samples)
+        draws = jax.vmap(lambda k: jax.random.categorical(k, logits, axis=-1))(keys)
+        return jnp.moveaxis(draws, 0, -1).astype(jnp.int64)
+    gumbel = jax.random.gumbel(key, logits.shape)
+    return jnp.argsort(-(logits + gumbel), axis=-1)[..., :num_samples].astype(jnp.int64)
+
+
+@lowering("aten::normal.Tensor_Tensor", random=True)
+def normal_tensor_tensor(key, mean, std, generator=None):
+    shape = jnp.broadcast_shapes(mean.shape, std.shape)
+    return jax.random.normal(key, shape, jnp.float32) * std + mean
+
+
+@lowering("aten::normal.Tensor_float", random=True)
+def normal_tensor_float(key, mean, std=1.0, generator=None):
+    return jax.random.normal(key, mean.shape, jnp.float32) * std + mean
+
+
+@lowering("aten::normal.float_Tensor", random=True)
+def normal_float_tensor(key, mean, std, generator=None):
+    return jax.random.normal(key, std.shape, jnp.float32) * std + mean
+
+
+@lowering("aten::cauchy_.default", random=True)
+def cauchy_(key, x, median=0.0, sigma=1.0, generator=None):
+    return (jax.random.cauchy(key, x.shape, jnp.float32) * sigma + median).astype(x.dtype)
+
+
+@lowering("aten::log_normal_.default", random=True)
+def log_normal_(key, x, mean=1.0, std=2.0, generator=None):
+    return jnp.exp(jax.random.normal(key, x.shape, jnp.float32) * std + mean).astype(x.dtype)
+
+
+@lowering("aten::geometric_.default", random=True)
+def geometric_(key, x, p, generator=None):
+    # The number of Bernoulli(p) trials up to the first success: ceil(log(U) / log(1 - p)).
+    u = jax.random.uniform(key, x.shape, jnp.float32, jnp.finfo(jnp.float32).tiny, 1.0)
+    return jnp.maximum(jnp.ceil(jnp.log(u) / jnp.log1p(-p)), 1).astype(x.dtype)
+
+
+@lowering("aten::logspace.default", static=("start", "end", "base"))
+def logspace(start, end, steps, base=10.0, dtype=None, layout=None, device=None,
+             pin_memory=None):
+    # Like PyTorch: the exponents are evenly spaced, then base ** exponent (in float64 here
+    # so that integer outputs truncate the exact powers).
+    exponents = jnp.linspace(start, end, steps, dtype=jnp.float64)
+    return jnp.power(jnp.float64(base), exponents)
+
+
+@lowering("aten::_efficientzerotensor.default")
+def efficient_zero_tensor(size, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.zeros(tuple(size))
+
+
+def _triangle_indices(np_fn):
+    def lower(row, col, offset=0, dtype=None, layout=None, device=None, pin_memory=None):
+        # Sizes are static: the (2, N) row-major coordinates are constants of the program
+        # (the output cast gives them the requested dtype).
+        return jnp.asarray(np.stack(np_fn(row, offset, col)).reshape(2, -1), jnp.int64)
+    return lower
+
+
+lowering("aten::tril_indices.default")(_triangle_indices(np.tril_indices))
+lowering("aten::triu_indices.default")(_triangle_indices(np.triu_indices))
+

@@ -1,0 +1,289 @@
+"""Matrix factorizations and solvers (the linalg.* aten primitives XLA supports).
+
+PyTorch conventions kept: LU pivots are 1-based int32 (LAPACK's), `info` outputs are int32
+zeros (XLA reports a failed factorization with NaNs instead of an error code), and ops that
+return factorizations for their backward (det, slogdet, solve) return PyTorch's LU layout."""
+import jax.numpy as jnp
+import jax.scipy.linalg as jsl
+import torch
+from jax import lax
+
+from .._core.registry import HALF_TYPES, lowering
+
+
+def _info(a):
+    return jnp.zeros(a.shape[:-2], jnp.int32)
+
+
+def _mT(a):
+    return jnp.swapaxes(a, -1, -2)
+
+
+def _lu(a):
+    lu, piv, perm = lax.linalg.lu(a)
+    return lu, (piv + 1).astype(jnp.int32), perm
+
+
+@lowering("aten::_linalg_svd.default")
+def linalg_svd(a, full_matrices=False, compute_uv=True, driver=None):
+    if not compute_uv:
+        return jnp.zeros((0,), a.dtype), jnp.linalg.svd(a, compute_uv=False), jnp.zeros((0,), a.dtype)
+    u, s, vh = jnp.linalg.svd(a, full_matrices=full_matrices)
+    return u, s, vh
+
+
+@lowering("aten::linalg_qr.default")
+def linalg_qr(a, mode="reduced"):
+    if mode == "r":
+        return jnp.zeros((0,), a.dtype), jnp.linalg.qr(a, mode="r")
+    q, r = jnp.linalg.qr(a, mode=mode)
+    return q, r
+
+
+@lowering("aten::_linalg_eigh.default")
+def linalg_eigh(a, UPLO="L", compute_v=True):
+    w, v = jnp.linalg.eigh(a, UPLO=UPLO, symmetrize_input=False)
+    return w, (v if compute_v else jnp.zeros((0,), a.dtype))
+
+
+@lowering("aten::linalg_inv_ex.default")
+def linalg_inv_ex(a, check_errors=False):
+    return jnp.linalg.inv(a), _info(a)
+
+
+@lowering("aten::linalg_cholesky_ex.default")
+def linalg_cholesky_ex(a, upper=False, check_errors=False):
+    l = jnp.linalg.cholesky(a)
+    if upper:
+        l = jnp.conj(_mT(l))
+    return l, _info(a)
+
+
+@lowering("aten::cholesky.default")
+def cholesky(a, upper=False):
+    return linalg_cholesky_ex(a, upper)[0]
+
+
+@lowering("aten::linalg_lu_factor_ex.default")
+def linalg_lu_factor_ex(a, pivot=True, check_errors=False):
+    if not pivot:
+        raise NotImplementedError("linalg.lu_factor(pivot=False) has no tpu lowering")
+    lu, piv, _ = _lu(a)
+    return lu, piv, _info(a)
+
+
+@lowering("aten::_linalg_det.default")
+def linalg_det(a):
+    lu, piv, perm = _lu(a)
+    n = a.shape[-1]
+    parity = jnp.sum(piv != jnp.arange(1, n + 1, dtype=jnp.int32), axis=-1) % 2
+    sign = jnp.where(parity == 1, -1, 1).astype(a.dtype)
+    det = sign * jnp.prod(jnp.diagonal(lu, axis1=-2, axis2=-1), axis=-1)
+    return det, lu, piv
+
+
+@lowering("aten::_linalg_slogdet.default")
+def linalg_slogdet(a):
+    lu, piv, _ = _lu(a)
+    n = a.shape[-1]
+    diag = jnp.diagonal(lu, axis1=-2, axis2=-1)
+    parity = jnp.sum(piv != jnp.arange(1, n + 1, dtype=jnp.int32), axis=-1) % 2
+    if jnp.iscomplexobj(a):
+        sign = jnp.prod(diag / jnp.abs(diag), axis=-1) * jnp.where(parity == 1, -1, 1)
+    else:
+        sign = jnp.prod(jnp.sign(diag), axis=-1) * jnp.where(parity == 1, -1, 1)
+    logabs = jnp.sum(jnp.log(jnp.abs(diag)), axis=-1)
+    return sign.astype(a.dtype), logabs, lu, piv
+
+
+@lowering("aten::_linalg_solve_ex.default")
+def linalg_solve_ex(a, b, left=True, check_errors=False):
+    lu, piv, perm = _lu(a)
+    # PyTorch treats b as a batch of vectors when b.ndim == 1 or b is a batch of a's columns.
+    vector = b.ndim == 1 or (b.ndim == a.ndim - 1 and b.shape == a.shape[:-1])
+    if not left:
+        # x a = b  <=>  a^T x^T = b^T
+        x = jnp.linalg.solve(_mT(a), _mT(b))
+        return _mT(x), lu, piv, _info(a)
+    if vector:
+        x = jnp.linalg.solve(a, b[..., None])[..., 0]
+    else:
+        x = jnp.linalg.solve(a, b)
+    return x, lu, piv, _info(a)
+
+
+@lowering("aten::linalg_solve_triangular.default")
+def linalg_solve_triangular(a, b, upper, left=True, unitriangular=False):
+    a, b = jnp.broadcast_arrays(a, b) if a.ndim != b.ndim else (a, b)
+    batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a = jnp.broadcast_to(a, batch + a.shape[-2:])
+    b = jnp.broadcast_to(b, batch + b.shape[-2:])
+    return lax.linalg.triangular_solve(a, b, left_side=left, lower=not upper,
+                                       unit_diagonal=unitriangular)
+
+
+@lowering("aten::triangular_solve.default")
+def triangular_solve(b, a, upper=True, transpose=False, unitriangular=False):
+    batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a = jnp.broadcast_to(a, batch + a.shape[-2:])
+    b = jnp.broadcast_to(b, batch + b.shape[-2:])
+    x = lax.linalg.triangular_solve(a, b, left_side=True, lower=not upper,
+                                    transpose_a=transpose, unit_diagonal=unitriangular)
+    return x, a
+
+
+@lowering("aten::linalg_matrix_exp.default")
+def linalg_matrix_exp(a):
+    if a.dtype in HALF_TYPES:
+        # The CPU's half-precision series rounds at every step; float32 would not match it.
+        raise NotImplementedError(f"linalg_matrix_exp of {a.dtype} tensors on tpu")
+    return jsl.expm(a)
+
+
+@lowering("aten::lu_unpack.default")
+def lu_unpack(lu, pivots, unpack_data=True, unpack_pivots=True):
+    m, n = lu.shape[-2], lu.shape[-1]
+    k = min(m, n)
+    if unpack_data:
+        l = jnp.tril(lu[..., :, :k], -1) + jnp.eye(m, k, dtype=lu.dtype)
+        u = jnp.triu(lu[..., :k, :])
+    else:
+        l = u = jnp.zeros((0,), lu.dtype)
+    if unpack_pivots:
+        perm = lax.linalg.lu_pivots_to_permutation(pivots.astype(jnp.int32) - 1, m)
+        # perm[i] is the row of A at row i of L U, so A = P L U with P[perm[i], i] = 1.
+        p = _mT(jnp.eye(m, dtype=lu.dtype)[perm])
+    else:
+        p = jnp.zeros((0,), lu.dtype)
+    return p, l, u
+
+
+@lowering("aten::linalg_lu_solve.default")
+def linalg_lu_solve(lu, pivots, b, left=True, adjoint=False):
+    batch = jnp.broadcast_shapes(lu.shape[:-2], b.shape[:-2])
+    lu = jnp.broadcast_to(lu, batch + lu.shape[-2:])
+    pivots = jnp.broadcast_to(pivots, batch + pivots.shape[-1:])
+    b = jnp.broadcast_to(b, batch + b.shape[-2:])
+    piv = pivots.astype(jnp.int32) - 1
+    if left:
+        return jsl.lu_solve((lu, piv), b, trans=2 if adjoint else 0)
+    # x A = b  <=>  A^T x^T = b^T ;  x A^H = b  <=>  A x^H = b^H
+    if adjoint:
+        return jnp.conj(_mT(jsl.lu_solve((lu, piv), jnp.conj(_mT(b)), trans=0)))
+    return _mT(jsl.lu_solve((lu, piv), _mT(b), trans=1))
+
+
+# PyTorch factors the transpose of a contiguous real matrix for det/slogdet (det(Aᵀ) = det(A),
+# and it avoids a copy on the CPU), and the backward formulas rely on it: they solve with the
+# returned LU as that of Aᵀ. The kernels below make the same choice, then run the lowering.
+def _transposed_like_pytorch(overload):
+    from .._execution.kernels import kernel_for
+    kernel = kernel_for(overload)
+
+    def run(A):
+        return kernel(A.mH if A.is_contiguous() and not A.is_complex() else A)
+    return run
+
+
+def register(lib):
+    ops = {torch.ops.aten._linalg_det.default, torch.ops.aten._linalg_slogdet.default}
+    for op in ops:
+        lib.impl(op, _transposed_like_pytorch(op), "PrivateUse1")
+    return ops
+
+
+@lowering("aten::linalg_lu.default")
+def linalg_lu(a, pivot=True):
+    if not pivot:
+        raise NotImplementedError("linalg.lu(pivot=False) has no tpu lowering (PyTorch only "
+                                  "implements it on CUDA)")
+    lu, piv, _ = _lu(a)
+    return lu_unpack(lu, piv)
+
+
+@lowering("aten::geqrf.default")
+def geqrf(a):
+    from jax._src.lax.linalg import geqrf as lapack_geqrf  # LAPACK's geqrf; not public in jax.lax
+    return lapack_geqrf(a)
+
+
+@lowering("aten::cholesky_inverse.default")
+def cholesky_inverse(factor, upper=False):
+    eye = jnp.broadcast_to(jnp.eye(factor.shape[-1], dtype=factor.dtype), factor.shape)
+    return jsl.cho_solve((factor, not upper), eye)
+
+
+@lowering("aten::_cholesky_solve_helper.default")
+def cholesky_solve_helper(b, factor, upper):
+    batch = jnp.broadcast_shapes(b.shape[:-2], factor.shape[:-2])
+    b = jnp.broadcast_to(b, batch + b.shape[-2:])
+    factor = jnp.broadcast_to(factor, batch + factor.shape[-2:])
+    return jsl.cho_solve((factor, not upper), b)
+
+
+@lowering("aten::linalg_eig.default")
+def linalg_eig(a):
+    # LAPACK's geev, like PyTorch's CPU kernel (XLA implements it on CPU and GPU, not on TPU).
+    return jnp.linalg.eig(a)
+
+
+@lowering("aten::linalg_householder_product.default")
+def linalg_householder_product(a, tau):
+    from jax._src.lax.linalg import householder_product  # LAPACK's orgqr; not public in jax.lax
+    return householder_product(a, tau)
+
+
+@lowering("aten::ormqr.default")
+def ormqr(a, tau, other, left=True, transpose=False):
+    """other multiplied by the Q of geqrf's reflectors: the full Q is the Householder product
+    of the reflectors padded to a square matrix (a zero tau is an identity reflector)."""
+    from jax._src.lax.linalg import householder_product
+    m = a.shape[-2]
+    batch = jnp.broadcast_shapes(a.shape[:-2], tau.shape[:-1], other.shape[:-2])
+    square = jnp.zeros(batch + (m, m), a.dtype).at[..., :, :a.shape[-1]].set(
+        jnp.broadcast_to(a, batch + a.shape[-2:])[..., :, :m])
+    taus = jnp.zeros(batch + (m,), a.dtype).at[..., :tau.shape[-1]].set(
+        jnp.broadcast_to(tau, batch + tau.shape[-1:]))
+    q = householder_product(square, taus)
+    if transpose:
+        q = jnp.conj(jnp.swapaxes(q, -1, -2))
+    return q @ other if left else other @ q
+
+
+@lowering("aten::linalg_lstsq.default", eager=True)
+def linalg_lstsq(a, b, rcond=None, driver=None):
+    """Least squares through the SVD (the minimum-norm solution, as gelsy/gelsd/gelss give).
+    Which extra outputs are filled follows PyTorch's CPU drivers; residuals exist only for
+    tall full-rank problems, so the op synchronises (like the CPU, it has to look at the rank)."""
+    if a.ndim < 2:
+        raise RuntimeError("torch.linalg.lstsq: input must have at least 2 dimensions.")
+    driver = driver or "gelsy"
+    if driver not in ("gels", "gelsy", "gelsd", "gelss"):
+        raise RuntimeError(f"torch.linalg.lstsq: parameter `driver` should be one of "
+                           f"(gels, gelsy, gelsd, gelss), but got {driver}")
+    vector = b.ndim == a.ndim - 1
+    if vector:
+        b = b[..., None]
+    m, n = a.shape[-2:]
+    batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a = jnp.broadcast_to(a, batch + (m, n))
+    b = jnp.broadcast_to(b, batch + (m, b.shape[-1]))
+    u, s, vh = jnp.linalg.svd(a, full_matrices=False)
+    if rcond is None or rcond < 0:
+        rcond = jnp.finfo(a.dtype).eps * max(m, n)
+    keep = s > rcond * s[..., :1]
+    inv = jnp.where(keep, 1 / jnp.where(keep, s, 1), 0)
+    x = _mH(vh) @ (inv[..., None] * (_mH(u) @ b))
+    rank = jnp.sum(keep, axis=-1).astype(jnp.int64)
+    real = jnp.finfo(a.dtype).dtype
+    if m > n and driver != "gelsy" and (driver == "gels" or bool(jnp.all(rank == n))):
+        residuals = jnp.sum(jnp.abs(a @ x - b) ** 2, axis=-2).astype(real)
+    else:
+        residuals = jnp.zeros((0,), real)
+    ranks = rank if driver != "gels" else jnp.zeros((0,), jnp.int64)
+    singular = s.astype(real) if driver in ("gelsd", "gelss") else jnp.zeros((0,), real)
+    return (x[..., 0] if vector else x), residuals, ranks, singular
+
+
+def _mH(x):
+    return jnp.conj(jnp.swapaxes(x, -1, -2))

@@ -1,0 +1,476 @@
+"""Gather/scatter-style indexing.  JAX clamps or drops out-of-range indices; PyTorch raises,
+so every index is bounds-checked (the op synchronises on the check before committing)."""
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+
+from .._core.registry import check, lowering
+
+
+def _torch_dtype_name(dtype):
+    from .._core.dtypes import to_torch_dtype
+    return str(to_torch_dtype(dtype)).replace("torch.", "")
+
+
+def check_index(idx, size, message="index out of range", exc_type=IndexError):
+    idx = jnp.asarray(idx)
+    if idx.size:
+        check(jnp.all((idx >= -size) & (idx < size)), message, exc_type)
+
+
+def _check_scatter_index(idx, x, dim):
+    # gather/scatter raise RuntimeError on the CPU (index_select & co. raise IndexError)
+    check_index(idx, x.shape[dim], f"index is out of bounds for dimension {dim} with size "
+                f"{x.shape[dim]}", RuntimeError)
+
+
+def _wrap(idx, size):
+    return jnp.where(idx < 0, idx + size, idx)
+
+
+@lowering("aten::index_select.default")
+def index_select(x, dim, index):
+    size = x.shape[dim] if x.ndim else 1
+    check_index(index, size, "index out of range in self")
+    if x.ndim == 0:
+        return x
+    return jnp.take(x, _wrap(index, size), axis=dim)
+
+
+@lowering("aten::gather.default")
+def gather(x, dim, index, sparse_grad=False):
+    if index.size == 0:
+        return jnp.zeros(index.shape, x.dtype)
+    if x.ndim == 0:
+        return x.reshape(index.shape)
+    dim = dim % x.ndim
+    _check_scatter_index(index, x, dim)
+    # take_along_axis needs matching sizes on the other dims; PyTorch allows index to be smaller
+    sl = tuple(slice(0, n) if d != dim else slice(None) for d, n in enumerate(index.shape))
+    return jnp.take_along_axis(x[sl], _wrap(index, x.shape[dim]), axis=dim)
+
+
+def _scatter_indices(x, dim, index):
+    grids = np.ogrid[tuple(slice(0, n) for n in index.shape)]
+    grids = [jnp.asarray(g) for g in grids]
+    grids[dim] = _wrap(index, x.shape[dim])
+    return tuple(grids)
+
+
+@lowering("aten::scatter.src", "aten::scatter.value")
+def scatter(x, dim, index, src):
+    if index.size == 0:  # PyTorch allows any empty index, even of another rank
+        return x
+    if x.ndim == 0:
+        return jnp.asarray(src, x.dtype).reshape(()) if jnp.ndim(src) == 0 else src.reshape(())
+    _check_scatter_index(index, x, dim)
+    if jnp.ndim(src) > 0:
+        src = src[tuple(slice(0, n) for n in index.shape)]
+    return x.at[_scatter_indices(x, dim, index)].set(src)
+
+
+def _bool_via_int(*positions):
+    """PyTorch adds, multiplies and maximises bool tensors as logical or/and; JAX's scatters
+    take no bools, so they run on int32 copies of the arguments at `positions`."""
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapped(*args):
+            if args[0].dtype != jnp.bool_:
+                return fn(*args)
+            args = [a.astype(jnp.int32) if i in positions else a for i, a in enumerate(args)]
+            return fn(*args) != 0
+        return wrapped
+    return deco
+
+
+@lowering("aten::scatter_add.default")
+@_bool_via_int(0, 3)
+def scatter_add(x, dim, index, src):
+    if index.size == 0:
+        return x
+    if x.ndim == 0:
+        return x + src.reshape(())
+    _check_scatter_index(index, x, dim)
+    src = src[tuple(slice(0, n) for n in index.shape)]
+    return x.at[_scatter_indices(x, dim, index)].add(src)
+
+
+@lowering("aten::scatter_reduce.two")
+@_bool_via_int(0, 3)
+def scatter_reduce(x, dim, index, src, reduce, include_self=True):
+    if x.ndim == 0:
+        out = scatter_reduce(x.reshape(1), 0, index.reshape(-1), jnp.reshape(src, -1), reduce,
+                             include_self)
+        return out.reshape(())
+    _check_scatter_index(index, x, dim)
+    src = src[tuple(slice(0, n) for n in index.shape)]
+    idx = _scatter_indices(x, dim, index)
+    if reduce == "sum":
+        base = x if include_self else x.at[idx].set(0)
+        return base.at[idx].add(src)
+    if reduce == "prod":
+        base = x if include_self else x.at[idx].set(1)
+        return base.at[idx].multiply(src)
+    if reduce == "amax":
+        base = x if include_self else x.at[idx].set(jnp.finfo(x.dtype).min if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).min)
+        return base.at[idx].max(src)
+    if reduce == "amin":
+        base = x if include_self else x.at[idx].set(jnp.finfo(x.dtype).max if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).max)
+        return base.at[idx].min(src)
+    if reduce == "mean":
+        ones = jnp.ones_like(src)
+        count = jnp.zeros_like(x).at[idx].add(ones) + (1 if include_self else 0)
+        base = x if include_self else x.at[idx].set(0)
+        total = base.at[idx].add(src)
+        out = jnp.where(count > 0, total / jnp.maximum(count, 1), x)
+        return out.astype(x.dtype) if not jnp.issubdtype(x.dtype, jnp.integer) else jnp.floor_divide(total, jnp.maximum(count, 1)).astype(x.dtype)
+    raise NotImplementedError(f"scatter_reduce with reduce={reduce!r}")
+
+
+def _check_index_add(x, dim, index, source, alpha=1):
+    # PyTorch's CPU kernel checks these; its meta kernel does not.
+    if x.dim() == 0 or source.dim() == 0:
+        return
+    dim %= x.dim()
+    if index.numel() != source.shape[dim]:
+        raise RuntimeError(f"index_add_(): Number of indices ({index.numel()}) should be equal to "
+                           f"source.size(dim): ({source.shape[dim]}), for dim: {dim}")
+    if source.dim() != x.dim() or any(
+            source.shape[d] != x.shape[d] for d in range(x.dim()) if d != dim):
+        raise RuntimeError(
+            "source tensor shape must match self tensor shape, excluding the specified dimension. "
+            f"Got self.shape = {list(x.shape)} source.shape = {list(source.shape)}")
+
+
+@lowering("aten::index_add.default", validate=_check_index_add)
+@_bool_via_int(0, 3)
+def index_add(x, dim, index, source, alpha=1):
+    size = x.shape[dim] if x.ndim else 1
+    check_index(index, size, "index out of range in self")
+    if x.ndim == 0:
+        return x + alpha * source.reshape(())
+    moved = jnp.moveaxis(x, dim, 0)
+    src = jnp.moveaxis(source, dim, 0) if source.ndim else source
+    return jnp.moveaxis(moved.at[_wrap(index, size)].add(alpha * src), 0, dim)
+
+
+@lowering("aten::index_fill.int_Scalar", "aten::index_fill.int_Tensor")
+def index_fill(x, dim, index, value):
+    size = x.shape[dim] if x.ndim else 1
+    check_index(index, size, "index out of range in self")
+    if x.ndim == 0:
+        return jnp.asarray(value, x.dtype)
+    moved = jnp.moveaxis(x, dim, 0)
+    return jnp.moveaxis(moved.at[_wrap(index, size)].set(jnp.asarray(value, x.dtype)), 0, dim)
+
+
+def _advanced_index(x, indices):
+    """PyTorch advanced indexing with a list of optional index tensors (one per leading dim)."""
+    idx = []
+    for d, i in enumerate(indices):
+        if i is None:
+            idx.append(slice(None))
+        else:
+            check_index(i, x.shape[d], "index out of range in self")
+            idx.append(_wrap(i, x.shape[d]))
+    return tuple(idx)
+
+
+@lowering("aten::index.Tensor")
+def index(x, indices):
+    return x[_advanced_index(x, indices)]
+
+
+@lowering("aten::index_put.default")
+@_bool_via_int(0, 2)
+def index_put(x, indices, values, accumulate=False, unsafe=False):
+    idx = _advanced_index(x, indices)
+    values = values.astype(x.dtype)
+    return x.at[idx].add(values) if accumulate else x.at[idx].set(values)
+
+
+lowering("aten::_index_put_impl_.default")(index_put)
+
+
+@lowering("aten::masked_scatter.default", eager=True)
+def masked_scatter(x, mask, source):
+    if mask.dtype != jnp.bool_:
+        raise RuntimeError(f"masked_scatter_ only supports boolean masks, but got mask with "
+                           f"dtype {_torch_dtype_name(mask.dtype)}")
+    shape = jnp.broadcast_shapes(x.shape, mask.shape)
+    x, mask = jnp.broadcast_to(x, shape), jnp.broadcast_to(mask, shape)
+    n = int(jnp.sum(mask))
+    if n > source.size:
+        raise RuntimeError("masked_scatter: expected source to have at least as many elements "
+                           f"as ones in mask, but got {source.size} elements and {n} ones")
+    flat = x.reshape(-1).at[jnp.nonzero(mask.reshape(-1))[0]].set(source.reshape(-1)[:n])
+    return flat.reshape(x.shape)
+
+
+# --- data-dependent shapes: these synchronise, exactly as on CUDA ----------------------------
+
+@lowering("aten::nonzero.default", eager=True)
+def nonzero(x):
+    return jnp.stack(jnp.nonzero(x), axis=1).astype(jnp.int64) if x.ndim else \
+        jnp.zeros((1 if bool(x) else 0, 0), jnp.int64)
+
+
+@lowering("aten::masked_select.default", eager=True)
+def masked_select(x, mask):
+    x, mask = jnp.broadcast_arrays(x, mask)
+    return x[mask]
+
+
+@lowering("aten::index_reduce.default")
+def index_reduce(x, dim, index, source, reduce, include_self=True):
+    if x.ndim == 0:
+        x, source = x.reshape(1), source.reshape(1)
+        out = index_reduce(x, 0, index, source, reduce, include_self)
+        return out.reshape(())
+    dim = dim % x.ndim
+    check_index(index, x.shape[dim], "index out of range in self")
+    idx = (slice(None),) * dim + (_wrap(index, x.shape[dim]),)
+    src = source if source.ndim else source.reshape(1)
+    hit = jnp.zeros(x.shape[dim], bool).at[_wrap(index, x.shape[dim])].set(True)
+    hit = hit.reshape((-1,) + (1,) * (x.ndim - dim - 1))
+    if reduce == "mean":
+        count = jnp.zeros(x.shape[dim], x.dtype).at[_wrap(index, x.shape[dim])].add(1)
+        count = count.reshape((-1,) + (1,) * (x.ndim - dim - 1))
+        base = x if include_self else jnp.where(hit, 0, x)
+        total = base.at[idx].add(src)
+        count = count + 1 if include_self else jnp.maximum(count, 1)
+        out = total / count
+        if jnp.issubdtype(x.dtype, jnp.integer):
+            out = jnp.floor_divide(total, count)
+        return out.astype(x.dtype)
+    if reduce == "prod":
+        base = x if include_self else jnp.where(hit, 1, x)
+        return base.at[idx].multiply(src)
+    if reduce in ("amax", "amin"):
+        fill = (jnp.finfo(x.dtype).min if reduce == "amax" else jnp.finfo(x.dtype).max) \
+            if jnp.issubdtype(x.dtype, jnp.floating) else \
+            (jnp.iinfo(x.dtype).min if reduce == "amax" else jnp.iinfo(x.dtype).max)
+        base = x if include_self else jnp.where(hit, fill, x)
+        return base.at[idx].max(src) if reduce == "amax" else base.at[idx].min(src)
+    raise RuntimeError(f"index_reduce(): Expected reduce to be one of prod, mean, amax or "
+                       f"amin but got {reduce}.")
+
+
+def _searchsorted(seq, values, right, side, sorter):
+    side = side or ("right" if right else "left")
+    if sorter is not None:
+        seq = jnp.take_along_axis(seq, sorter, axis=-1)
+    if values.size == 0:
+        return jnp.zeros(values.shape, jnp.int64)
+    if seq.shape[-1] == 0:
+        return jnp.zeros(values.shape, jnp.int64)
+    if seq.ndim <= 1:
+        return jnp.searchsorted(seq, values, side=side)
+    lead = seq.shape[:-1]
+    find = jnp.vectorize(lambda s, v: jnp.searchsorted(s, v, side=side), signature="(n),(m)->(m)")
+    return find(seq, values.reshape(lead + (-1,))).reshape(values.shape)
+
+
+@lowering("aten::searchsorted.Tensor")
+def searchsorted(seq, values, out_int32=False, right=False, side=None, sorter=None):
+    return _searchsorted(seq, values, right, side, sorter)
+
+
+@lowering("aten::searchsorted.Scalar")
+def searchsorted_scalar(seq, value, out_int32=False, right=False, side=None, sorter=None):
+    return _searchsorted(seq, jnp.asarray(value, seq.dtype), right, side, sorter)
+
+
+@lowering("aten::nonzero_static.default")
+def nonzero_static(x, size, fill_value=-1):
+    if x.ndim == 0:
+        return jnp.zeros((size, 0), jnp.int64)
+    if x.size == 0:  # JAX would pad with zeros here
+        return jnp.full((size, x.ndim), fill_value, jnp.int64)
+    found = jnp.nonzero(x, size=size, fill_value=fill_value)
+    return jnp.stack(found, axis=1).astype(jnp.int64)
+
+
+@lowering("aten::put.default")
+@_bool_via_int(0, 2)
+def put(x, index, source, accumulate=False):
+    check_index(index, max(x.size, 1), "out of range: tried to access index")
+    flat = x.reshape(-1)
+    idx = _wrap(index.reshape(-1), x.size)
+    src = jnp.reshape(source, -1).astype(x.dtype)
+    flat = flat.at[idx].add(src) if accumulate else flat.at[idx].set(src)
+    return flat.reshape(x.shape)
+
+
+@lowering("aten::take.default")
+def take(x, index):
+    check_index(index, max(x.size, 1) if x.size else 0, "out of range: tried to access index")
+    if x.size == 0:
+        return jnp.zeros(index.shape, x.dtype)
+    return x.reshape(-1)[_wrap(index, x.size)]
+
+
+@lowering("aten::bucketize.Tensor")
+def bucketize(x, boundaries, out_int32=False, right=False):
+    if boundaries.ndim != 1:
+        raise RuntimeError(f"boundaries tensor must be 1 dimension, but got dim({boundaries.ndim})")
+    return _searchsorted(boundaries, x, right, None, None)
+
+
+@lowering("aten::bucketize.Scalar")
+def bucketize_scalar(x, boundaries, out_int32=False, right=False):
+    return _searchsorted(boundaries, jnp.asarray(x, boundaries.dtype), right, None, None)
+
+
+@lowering("aten::histc.default")
+def histc(x, bins=100, min=0, max=0):
+    x = x.reshape(-1)
+    lo, hi = jnp.asarray(min, x.dtype), jnp.asarray(max, x.dtype)
+    # min == max means: the data's own range (and a unit-wide one if that is empty, too)
+    data = lo == hi
+    lo = jnp.where(data, jnp.min(x, initial=jnp.inf) if x.size else 0, lo)
+    hi = jnp.where(data, jnp.max(x, initial=-jnp.inf) if x.size else 0, hi)
+    lo, hi = jnp.where(lo == hi, lo - 1, lo), jnp.where(lo == hi, hi + 1, hi)
+    inside = (x >= lo) & (x <= hi)
+    pos = ((x - lo) * bins / (hi - lo)).astype(jnp.int64)
+    pos = jnp.clip(jnp.where(x == hi, bins - 1, pos), 0, bins - 1)
+    return jnp.zeros(bins, x.dtype).at[pos].add(inside.astype(x.dtype))
+
+
+@lowering("aten::repeat_interleave.Tensor", eager=True)
+def repeat_interleave(repeats, output_size=None):
+    repeats = repeats.reshape(-1)
+    if repeats.size and bool(jnp.any(repeats < 0)):
+        raise RuntimeError("repeats can not be negative")
+    total = int(jnp.sum(repeats)) if output_size is None else output_size
+    return jnp.repeat(jnp.arange(repeats.size, dtype=jnp.int64), repeats,
+                      total_repeat_length=total)
+
+
+_NONE = np.zeros((0,), np.int64)
+
+
+@lowering("aten::_unique2.default", eager=True)
+def unique(x, sorted=True, return_inverse=False, return_counts=False):
+    # Sorted either way, as PyTorch's CPU kernel does; unrequested outputs are empty.
+    values, inverse, counts = jnp.unique(x.reshape(-1), return_inverse=True, return_counts=True)
+    return (values, inverse.reshape(x.shape).astype(jnp.int64) if return_inverse else _NONE,
+            counts.astype(jnp.int64) if return_counts else _NONE)
+
+
+@lowering("aten::unique_consecutive.default", eager=True)
+def unique_consecutive(x, return_inverse=False, return_counts=False, dim=None):
+    if dim is None:
+        rows, shape = x.reshape(-1, 1), x.shape
+    else:
+        dim = dim % max(x.ndim, 1)
+        moved = jnp.moveaxis(x, dim, 0) if x.ndim else x.reshape(1)
+        rows = moved.reshape(moved.shape[0], int(np.prod(moved.shape[1:], dtype=np.int64)))
+        shape = (moved.shape[0],) if x.ndim else ()
+    n = rows.shape[0]
+    starts = jnp.concatenate([jnp.ones((min(n, 1),), bool), jnp.any(rows[1:] != rows[:-1], axis=1)])
+    first = jnp.nonzero(starts)[0]
+    if dim is None:
+        values = rows[first, 0]
+    else:
+        values = jnp.moveaxis(moved[first], 0, dim)
+    inverse = (jnp.cumsum(starts) - 1).astype(jnp.int64).reshape(shape)
+    counts = jnp.diff(jnp.concatenate([first, jnp.array([n])])).astype(jnp.int64)
+    return (values, inverse if return_inverse else _NONE, counts if return_counts else _NONE)
+
+
+@lowering("aten::unique_dim.default", eager=True)
+def unique_dim(x, dim, sorted=True, return_inverse=False, return_counts=False):
+    dim = dim % max(x.ndim, 1)
+    moved = jnp.moveaxis(x, dim, 0)
+    rows = moved.reshape(moved.shape[0], int(np.prod(moved.shape[1:], dtype=np.int64)))
+    if rows.shape[0] == 0:
+        return x, jnp.zeros((0,), jnp.int64), jnp.zeros((0,), jnp.int64)
+    # Rows in lexicographic order, as PyTorch's unique_dim sorts them.
+    _, first, inverse, counts = jnp.unique(rows, axis=0, return_index=True,
+                                           return_inverse=True, return_counts=True)
+    values = jnp.moveaxis(moved[first], 0, dim)
+    return (values, jnp.asarray(inverse.reshape(-1), jnp.int64) if return_inverse else _NONE,
+            jnp.asarray(counts, jnp.int64) if return_counts else _NONE)
+
+
+def _histogram(x, edges, weight, density):
+    """The one-dimensional histogram: histogramdd of the flattened values as points."""
+    return _histogramdd(x.reshape(-1, 1), [edges], weight, density), edges
+
+
+def _bin_edges(points, bins, range):
+    """Per dimension of `points` (N, D): `bins[d] + 1` evenly spaced edges over `range` (pairs,
+    flattened) or the data's extent (widened by 0.5 when it is one point, [0, 1] when empty)."""
+    edges = []
+    for d, n in enumerate(bins):
+        if range is not None:
+            lo, hi = (jnp.asarray(v, points.dtype) for v in range[2 * d:2 * d + 2])
+        elif points.shape[0]:
+            lo, hi = jnp.min(points[:, d]), jnp.max(points[:, d])
+        else:
+            lo, hi = jnp.asarray(0, points.dtype), jnp.asarray(1, points.dtype)
+        lo, hi = jnp.where(lo == hi, lo - 0.5, lo), jnp.where(lo == hi, hi + 0.5, hi)
+        edges.append(jnp.linspace(lo, hi, n + 1, dtype=points.dtype))
+    return edges
+
+
+def _histogramdd(points, edges, weight, density):
+    flat = jnp.zeros((), jnp.int64)
+    inside = jnp.ones(points.shape[0], bool)
+    sizes = [e.shape[0] - 1 for e in edges]
+    for d, e in enumerate(edges):
+        x = points[:, d]
+        pos = jnp.searchsorted(e, x, side="right") - 1
+        pos = jnp.clip(jnp.where(x == e[-1], sizes[d] - 1, pos), 0, max(sizes[d] - 1, 0))
+        inside = inside & (x >= e[0]) & (x <= e[-1])
+        flat = flat * sizes[d] + pos
+    w = jnp.ones(points.shape[0], points.dtype) if weight is None else \
+        weight.reshape(-1).astype(points.dtype)
+    hist = jnp.zeros(int(np.prod(sizes)), points.dtype).at[flat].add(jnp.where(inside, w, 0))
+    hist = hist.reshape(sizes)
+    if density:
+        widths = jnp.ones(sizes, points.dtype)
+        for d, e in enumerate(edges):
+            widths = widths * jnp.diff(e).reshape([-1 if i == d else 1 for i in range(len(sizes))])
+        hist = hist / (jnp.sum(hist) * widths)
+    return hist
+
+
+@lowering("aten::histogram.bin_ct")
+def histogram(x, bins=100, range=None, weight=None, density=False):
+    (edges,) = _bin_edges(x.reshape(-1, 1), [bins], range)
+    return _histogram(x, edges, weight, density)
+
+
+def _points(x):
+    return x.reshape(-1, x.shape[-1])
+
+
+@lowering("aten::_histogramdd_bin_edges.default")
+def histogramdd_bin_edges(x, bins, range=None, weight=None, density=False):
+    return _bin_edges(_points(x), bins, range)
+
+
+@lowering("aten::_histogramdd_from_bin_cts.default")
+def histogramdd_from_bin_cts(x, bins, range=None, weight=None, density=False):
+    points = _points(x)
+    return _histogramdd(points, _bin_edges(points, bins, range), weight, density)
+
+
+@lowering("aten::_histogramdd_from_bin_tensors.default")
+def histogramdd_from_bin_tensors(x, bins, weight=None, density=False):
+    points = _points(x)
+    return _histogramdd(points, [b.astype(points.dtype) for b in bins], weight, density)
+
+
+@lowering("aten::histogram.bins_tensor")
+def histogram_edges(x, bins, weight=None, density=False):
+    return _histogram(x, bins.astype(x.dtype), weight, density)
+
+
+@lowering("aten::_unique.default", eager=True)
+def unique_legacy(x, sorted=True, return_inverse=False):
+    values, inverse, _ = unique(x, sorted, return_inverse, False)
+    return values, inverse

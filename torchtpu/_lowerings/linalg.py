@@ -1,0 +1,108 @@
+"""Matrix products; float32 precision follows torch.get_float32_matmul_precision()."""
+import jax.numpy as jnp
+from jax import lax
+
+from .._core.registry import HALF_TYPES, lowering
+
+
+def _precision():
+    from .._frontend.torch_tpu import jax_precision
+    return jax_precision()
+
+
+def _matmul(a, b):
+    # Half-precision products accumulate in float32 and stay float32 until the op's result is
+    # rounded once, as in PyTorch's CPU kernels (and at no cost to the MXU's bf16 inputs).
+    acc = jnp.float32 if a.dtype in HALF_TYPES else None
+    return jnp.matmul(a, b, precision=_precision(), preferred_element_type=acc)
+
+
+def _scaled_sum(bias, product, beta, alpha):
+    """beta * bias + alpha * product, as PyTorch's addmm family computes it: integer tensors
+    take integer scalars (0.6 becomes 0), and beta == 0 ignores bias (its NaNs too)."""
+    if bias.dtype in HALF_TYPES:
+        bias = bias.astype(jnp.float32)
+    elif jnp.issubdtype(bias.dtype, jnp.integer) or bias.dtype == jnp.bool_:
+        beta = jnp.trunc(jnp.asarray(beta)).astype(bias.dtype)
+        alpha = jnp.trunc(jnp.asarray(alpha)).astype(bias.dtype)
+    return jnp.where(beta == 0, 0, beta * bias) + alpha * product
+
+
+@lowering("aten::mm.default", promote=True, precision=True)
+def mm(a, b):
+    return _matmul(a, b)
+
+
+@lowering("aten::bmm.default", promote=True, precision=True)
+def bmm(a, b):
+    return _matmul(a, b)
+
+
+@lowering("aten::addmm.default", promote=True, precision=True)
+def addmm(bias, a, b, beta=1, alpha=1):
+    return _scaled_sum(bias, _matmul(a, b), beta, alpha)
+
+
+@lowering("aten::baddbmm.default", promote=True, precision=True)
+def baddbmm(bias, a, b, beta=1, alpha=1):
+    return _scaled_sum(bias, _matmul(a, b), beta, alpha)
+
+
+@lowering("aten::addbmm.default", promote=True, precision=True)
+def addbmm(bias, a, b, beta=1, alpha=1):
+    if a.dtype not in HALF_TYPES or a.shape[0] == 0:
+        return _scaled_sum(bias, jnp.sum(_matmul(a, b), axis=0), beta, alpha)
+    # PyTorch's CPU kernel adds one batch at a time into the half-precision result.
+    first = _scaled_sum(bias, _matmul(a[0], b[0]), beta, alpha).astype(a.dtype)
+
+    def add_batch(out, ab):
+        return _scaled_sum(out, _matmul(*ab), 1, alpha).astype(a.dtype), None
+
+    return lax.scan(add_batch, first, (a[1:], b[1:]))[0]
+
+
+@lowering("aten::mv.default", promote=True, precision=True)
+def mv(a, v):
+    return _matmul(a, v)
+
+
+@lowering("aten::dot.default", promote=True, precision=True)
+def dot(a, b):
+    return jnp.dot(a, b, precision=_precision())
+
+
+@lowering("aten::vdot.default", promote=True, precision=True)
+def vdot(a, b):
+    return jnp.dot(jnp.conj(a), b, precision=_precision())  # the first argument conjugated
+
+
+@lowering("aten::addmv.default", promote=True, precision=True)
+def addmv(bias, a, v, beta=1, alpha=1):
+    return _scaled_sum(bias, _matmul(a, v), beta, alpha)
+
+
+@lowering("aten::addr.default", promote=True)
+def addr(bias, v1, v2, beta=1, alpha=1):
+    # PyTorch's CPU kernel: beta * bias + (alpha * v1) * v2 elementwise, with alpha and beta
+    # first converted to the tensors' dtype and, for half types, every step rounded to it.
+    dtype = v1.dtype
+    outer_shape = (v1.shape[0], v2.shape[0])
+    if dtype == jnp.bool_:
+        prod = jnp.asarray(alpha).astype(bool) & v1[:, None] & v2[None, :]
+        return jnp.where(jnp.asarray(beta).astype(bool), bias | prod, prod)
+    if jnp.issubdtype(dtype, jnp.integer):
+        alpha, beta = jnp.trunc(jnp.asarray(alpha)), jnp.trunc(jnp.asarray(beta))
+    alpha, beta = jnp.asarray(alpha).astype(dtype), jnp.asarray(beta).astype(dtype)
+    prod = jnp.broadcast_to((alpha * v1)[:, None] * v2[None, :], outer_shape)
+    return jnp.where(beta == 0, prod, beta * bias + prod)
+
+
+@lowering("aten::linalg_cross.default", promote=True)
+def linalg_cross(a, b, dim=-1):
+    # Written out as PyTorch's CPU kernel computes it: half types round after every product
+    # and difference (PyTorch's reference decomposition computes in float32 instead).
+    shape = jnp.broadcast_shapes(a.shape, b.shape)
+    a, b = jnp.broadcast_to(a, shape), jnp.broadcast_to(b, shape)
+    a0, a1, a2 = (jnp.take(a, i, axis=dim) for i in range(3))
+    b0, b1, b2 = (jnp.take(b, i, axis=dim) for i in range(3))
+    return jnp.stack([a1 * b2 - a2 * b1, a2 * b0 - a0 * b2, a0 * b1 - a1 * b0], axis=dim)

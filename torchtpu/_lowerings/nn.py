@@ -1,0 +1,920 @@
+"""Neural-network ops and their backward ops (backward lowerings reuse the forward through
+jax.vjp where PyTorch's formula is just the derivative)."""
+import functools
+import itertools
+import operator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import lax
+
+from .._core.registry import HALF_TYPES, lowering
+
+
+def _float(x):
+    return x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.float32)
+
+
+def round_to(v, dtype):
+    """Float32 `v` rounded to the half-precision `dtype` (kept in float32), where a PyTorch CPU
+    kernel stores an intermediate in that type. XLA may drop a `.astype(half).astype(float32)`
+    pair (it allows excess precision), never a reduce_precision."""
+    if isinstance(v, (int, float)):  # a static value: rounded here
+        return float(np.asarray(v, dtype)) if dtype in HALF_TYPES else v
+    if dtype == jnp.bfloat16:
+        return lax.reduce_precision(v, 8, 7)
+    if dtype == jnp.float16:
+        # reduce_precision flushes float16's subnormals: they are the multiples of 2**-24.
+        return jnp.where(jnp.abs(v) < 2.0 ** -14, jnp.round(v * 2.0 ** 24) * 2.0 ** -24,
+                         lax.reduce_precision(v, 5, 10))
+    return v
+
+
+def inverse_sqrt(v):
+    """1 / sqrt(v) correctly rounded, as PyTorch's CPU kernels compute it: XLA would otherwise
+    turn it into its rsqrt, which is not."""
+    return 1 / lax.optimization_barrier(jnp.sqrt(v))
+
+
+def fma(a, b, c):
+    """a * b + c in float32 rounded once, as the fused multiply-add PyTorch's CPU kernels
+    compile to (XLA has none): the product's rounding error, exact by Dekker's splitting, and
+    the sum's, exact by TwoSum, are added back. It matters where the sum cancels."""
+    def split(v):
+        t = v * 4097.0
+        hi = t - (t - v)
+        return hi, v - hi
+
+    p = a * b
+    (ah, al), (bh, bl) = split(a), split(b)
+    p_err = ((ah * bh - p) + ah * bl + al * bh) + al * bl
+    s = p + c
+    v = s - p
+    s_err = (p - (s - v)) + (c - v)
+    return s + (s_err + p_err)
+
+
+@lowering("aten::relu.default")
+def relu(x):
+    return jnp.maximum(x, 0)
+
+
+@lowering("aten::threshold.default", promote=True)
+def threshold(x, threshold, value):
+    return jnp.where(x <= threshold, value, x)
+
+
+@lowering("aten::threshold_backward.default", promote=True)
+def threshold_backward(grad, x, threshold):
+    return jnp.where(x <= threshold, 0, grad)
+
+
+def _gelu(x, approximate="none"):
+    return jax.nn.gelu(x, approximate=approximate == "tanh")
+
+
+@lowering("aten::gelu.default", opmath=True)
+def gelu(x, approximate="none"):
+    return _gelu(x, approximate)
+
+
+@lowering("aten::gelu_backward.default", opmath=True)
+def gelu_backward(grad, x, approximate="none"):
+    return jax.vjp(lambda v: _gelu(v, approximate), x)[1](grad)[0]
+
+
+@lowering("aten::silu.default")
+def silu(x):
+    return jax.nn.silu(x)
+
+
+@lowering("aten::tanh_backward.default")
+def tanh_backward(grad, y):
+    return grad * (1 - y * y)
+
+
+@lowering("aten::sigmoid_backward.default")
+def sigmoid_backward(grad, y):
+    return grad * y * (1 - y)
+
+
+@lowering("aten::leaky_relu.default")
+def leaky_relu(x, negative_slope=0.01):
+    return jnp.where(x > 0, x, x * negative_slope)
+
+
+@lowering("aten::leaky_relu_backward.default")
+def leaky_relu_backward(grad, x, negative_slope, self_is_result):
+    return jnp.where(x > 0, grad, grad * negative_slope)
+
+
+@lowering("aten::elu.default")
+def elu(x, alpha=1, scale=1, input_scale=1):
+    return jnp.where(x > 0, x * scale, alpha * scale * jnp.expm1(x * input_scale))
+
+
+@lowering("aten::hardtanh.default")
+def hardtanh(x, min_val=-1, max_val=1):
+    return jnp.clip(x, min_val, max_val)
+
+
+@lowering("aten::hardtanh_backward.default")
+def hardtanh_backward(grad, x, min_val, max_val):
+    return jnp.where((x <= min_val) | (x >= max_val), 0, grad)
+
+
+@lowering("aten::softplus.default")
+def softplus(x, beta=1, threshold=20):
+    return jnp.where(x * beta > threshold, x, jnp.log1p(jnp.exp(x * beta)) / beta)
+
+
+def _axis(x, dim):
+    # A 0-dim tensor takes dim 0 or -1 as its only "dimension".
+    return None if x.ndim == 0 else dim
+
+
+@lowering("aten::_softmax.default", opmath=True)
+def softmax(x, dim, half_to_float=False):
+    x = x.astype(jnp.float32) if half_to_float else x
+    if x.ndim == 0:
+        return jnp.exp(x - x)  # 1, or nan for inf/nan as PyTorch computes it
+    return jax.nn.softmax(x, axis=dim)
+
+
+@lowering("aten::_log_softmax.default")
+def log_softmax(x, dim, half_to_float=False):
+    # PyTorch's CPU kernel over an inner dim computes half types in float32 and rounds once;
+    # its last-dim kernel rounds intermediate steps, as the half-precision JAX function does.
+    inner = x.ndim > 0 and dim % x.ndim != x.ndim - 1
+    if half_to_float or (inner and x.dtype in HALF_TYPES):
+        x = x.astype(jnp.float32)
+    if x.ndim == 0:
+        return x - x
+    return jax.nn.log_softmax(x, axis=dim)
+
+
+@lowering("aten::_softmax_backward_data.default", opmath=True)
+def softmax_backward(grad, y, dim, input_dtype):
+    return (grad - jnp.sum(grad * y, axis=_axis(y, dim), keepdims=True)) * y
+
+
+@lowering("aten::_log_softmax_backward_data.default", opmath=True)
+def log_softmax_backward(grad, y, dim, input_dtype):
+    return grad - jnp.exp(y) * jnp.sum(grad, axis=_axis(y, dim), keepdims=True)
+
+
+def _layer_norm(x, normalized_shape, weight, bias, eps):
+    axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    half = x.dtype in HALF_TYPES
+    xf = x.astype(jnp.float32) if half else x
+    mean = jnp.mean(xf, axis=axes, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=axes, keepdims=True)
+    rstd = inverse_sqrt(var + eps)
+    if not half:
+        y = (xf - mean) * rstd
+        y = y * weight if weight is not None else y
+        return (y + bias if bias is not None else y), mean, rstd
+    # PyTorch's CPU kernel for half inputs: float32 throughout, with fused multiply-adds
+    # (x * rstd - rstd * mean) * weight + bias, and the result rounded once.
+    y = fma(xf, rstd, -rstd * mean)
+    if weight is not None and bias is not None:
+        y = fma(y, weight.astype(y.dtype), bias.astype(y.dtype))
+    elif weight is not None:
+        y = y * weight.astype(y.dtype)
+    elif bias is not None:
+        y = y + bias.astype(y.dtype)
+    return y.astype(x.dtype), mean, rstd
+
+
+@lowering("aten::native_layer_norm.default")
+def native_layer_norm(x, normalized_shape, weight, bias, eps):
+    return _layer_norm(x, normalized_shape, weight, bias, eps)
+
+
+@lowering("aten::native_layer_norm_backward.default")
+def native_layer_norm_backward(grad, x, normalized_shape, mean, rstd, weight, bias, output_mask):
+    # The saved mean/rstd (eps already folded in) give the closed-form gradient directly;
+    # in float32 at least (the CPU kernel's saved statistics may be half precision).
+    axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    acc = jnp.promote_types(mean.dtype, jnp.float32)
+    mean, rstd = mean.astype(acc), rstd.astype(acc)
+    xf = x.astype(acc)
+    xhat = (xf - mean) * rstd
+    g = grad.astype(acc)
+    gw = g * weight.astype(acc) if weight is not None else g
+    dx = rstd * (gw - jnp.mean(gw, axis=axes, keepdims=True)
+                 - xhat * jnp.mean(gw * xhat, axis=axes, keepdims=True))
+    lead = tuple(range(x.ndim - len(normalized_shape)))
+    dw = jnp.sum(g * xhat, axis=lead) if weight is not None and output_mask[1] else None
+    db = jnp.sum(g, axis=lead) if bias is not None and output_mask[2] else None
+    return (dx.astype(x.dtype) if output_mask[0] else None), dw, db
+
+
+@lowering("aten::native_group_norm.default", opmath=True)
+def native_group_norm(x, weight, bias, n, c, hw, group, eps):
+    xg = x.reshape(n, group, (c // group) * hw)
+    mean = xg.mean(-1)
+    centred = xg - mean[..., None]
+    rstd = inverse_sqrt(jnp.square(centred).mean(-1) + eps)
+    y = (centred * rstd[..., None]).reshape(x.shape)
+    per_channel = (1, c) + (1,) * (x.ndim - 2)
+    if weight is not None:
+        y = y * weight.reshape(per_channel)
+    if bias is not None:
+        y = y + bias.reshape(per_channel)
+    return y, mean, rstd
+
+
+def _check_embedding(weight, *rest):
+    if weight.dim() != 2:  # PyTorch's meta kernel asserts instead
+        raise RuntimeError("'weight' must be 2-D")
+
+
+@lowering("aten::embedding.default", validate=_check_embedding)
+def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    from .indexing import check_index
+    check_index(indices, weight.shape[0], "index out of range in self")
+    return jnp.take(weight, indices, axis=0)
+
+
+@lowering("aten::embedding_dense_backward.default")
+def embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq):
+    flat_idx = indices.reshape(-1)
+    g = grad.reshape(-1, grad.shape[-1])
+    if padding_idx >= 0:
+        g = jnp.where((flat_idx == padding_idx)[:, None], 0, g)
+    if scale_grad_by_freq:
+        counts = jnp.zeros((num_weights,), g.dtype).at[flat_idx].add(1)
+        g = g / counts[flat_idx][:, None]
+    return jnp.zeros((num_weights, g.shape[-1]), g.dtype).at[flat_idx].add(g)
+
+
+def _nll(x, target, weight, reduction, ignore_index):
+    # x: (N, C, ...) log-probabilities; target: (N, ...)
+    class_dim = 1 if x.ndim > 1 else 0
+    valid = target != ignore_index
+    safe = jnp.where(valid, target, 0)
+    picked = jnp.take_along_axis(x, jnp.expand_dims(safe, class_dim), axis=class_dim)
+    picked = jnp.squeeze(picked, class_dim)
+    w = weight[safe] if weight is not None else jnp.ones_like(picked)
+    w = jnp.where(valid, w, 0)
+    loss = -picked * w
+    if reduction == 0:
+        return loss, jnp.zeros((), x.dtype)
+    total = jnp.sum(w)
+    if reduction == 1:
+        return jnp.sum(loss) / total, total
+    return jnp.sum(loss), total
+
+
+@lowering("aten::nll_loss_forward.default")
+def nll_loss_forward(x, target, weight, reduction, ignore_index):
+    from .indexing import check_index
+    C = x.shape[1] if x.ndim > 1 else x.shape[0]
+    check_index(jnp.where(target == ignore_index, 0, target), C, "Target out of bounds")
+    return _nll(x, target, weight, reduction, ignore_index)
+
+
+@lowering("aten::nll_loss2d_forward.default")
+def nll_loss2d_forward(x, target, weight, reduction, ignore_index):
+    return _nll(x, target, weight, reduction, ignore_index)
+
+
+@lowering("aten::nll_loss_backward.default", "aten::nll_loss2d_backward.default")
+def nll_loss_backward(grad, x, target, weight, reduction, ignore_index, total_weight):
+    f = lambda v: _nll(v, target, weight, reduction, ignore_index)[0]
+    if reduction == 1:
+        # PyTorch divides by the saved total weight, not a recomputed one.
+        f = lambda v: _nll(v, target, weight, 2, ignore_index)[0] / total_weight
+    return jax.vjp(f, x)[1](grad.astype(x.dtype))[0]
+
+
+@lowering("aten::mse_loss.default")
+def mse_loss(x, y, reduction=1):
+    d = jnp.square(x - y)
+    return d if reduction == 0 else jnp.mean(d) if reduction == 1 else jnp.sum(d)
+
+
+@lowering("aten::mse_loss_backward.default")
+def mse_loss_backward(grad, x, y, reduction):
+    scale = 2.0 / x.size if reduction == 1 else 2.0
+    return grad * scale * (x - y)
+
+
+
+
+def _pointwise_loss_backward(grad, x, y, reduction, derivative):
+    """The gradient of a pointwise loss w.r.t. its input: `derivative(x - y)` times the incoming
+    gradient (a scalar unless reduction is 'none'), divided by the count for 'mean'."""
+    d = derivative(x - y)
+    scale = 1.0 / x.size if reduction == 1 else 1.0
+    return (grad * scale * d).astype(x.dtype)
+
+
+@lowering("aten::smooth_l1_loss_backward.default")
+def smooth_l1_loss_backward(grad, x, y, reduction, beta):
+    if beta == 0:
+        return _pointwise_loss_backward(grad, x, y, reduction, jnp.sign)
+    return _pointwise_loss_backward(
+        grad, x, y, reduction, lambda d: jnp.where(jnp.abs(d) < beta, d / beta, jnp.sign(d)))
+
+
+@lowering("aten::huber_loss_backward.default")
+def huber_loss_backward(grad, x, y, reduction, delta):
+    return _pointwise_loss_backward(
+        grad, x, y, reduction,
+        lambda d: jnp.where(jnp.abs(d) <= delta, d, delta * jnp.sign(d)))
+
+
+# --- pairwise distances ----------------------------------------------------------------------
+def _p_norm_of_differences(d, p):
+    a = jnp.abs(d)
+    if p == 0:
+        return jnp.sum(a != 0, axis=-1).astype(d.dtype)
+    if p == float("inf"):
+        return jnp.max(a, axis=-1, initial=0)
+    if p == 1:
+        return jnp.sum(a, axis=-1)
+    if p == 2:
+        # sqrt has an infinite slope at 0; PyTorch's gradient there is 0.
+        s = jnp.sum(a * a, axis=-1)
+        return jnp.where(s > 0, jnp.sqrt(jnp.where(s > 0, s, 1)), 0)
+    s = jnp.sum(a ** p, axis=-1)
+    return jnp.where(s > 0, jnp.where(s > 0, s, 1) ** (1.0 / p), 0)
+
+
+def _cdist(x1, x2, p):
+    return _p_norm_of_differences(x1[..., :, None, :] - x2[..., None, :, :], p)
+
+
+def _pdist(x, p):
+    i, j = np.triu_indices(x.shape[0], 1)
+    return _p_norm_of_differences(x[i] - x[j], p)
+
+
+@lowering("aten::_cdist_forward.default")
+def cdist_forward(x1, x2, p, compute_mode=None):
+    return _cdist(x1, x2, p)
+
+
+@lowering("aten::_cdist_backward.default")
+def cdist_backward(grad, x1, x2, p, cdist):
+    # PyTorch returns the gradient of x1 expanded to the common batch shape (autograd sums it).
+    batch = jnp.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
+    if 0 in x1.shape[-2:] + x2.shape[-2:-1] + (int(np.prod(batch)),):
+        return jnp.zeros_like(x1)
+    x1 = jnp.broadcast_to(x1, batch + x1.shape[-2:])
+    return jax.vjp(lambda a: _cdist(a, x2, p), x1)[1](grad)[0]
+
+
+@lowering("aten::_pdist_forward.default")
+def pdist_forward(x, p=2.0):
+    return _pdist(x, p)
+
+
+@lowering("aten::_pdist_backward.default")
+def pdist_backward(grad, x, p, pdist):
+    return jax.vjp(lambda a: _pdist(a, p), x)[1](grad)[0]
+
+
+# --- grid sampling: PyTorch's CPU kernels step by step ---------------------------------------
+# For float16/bfloat16 those kernels compute in the half type, rounding after every operation
+# (the 2-D kernel on at::Vectorized<half>, the 3-D one on scalars); `r` rounds likewise here (a
+# no-op for float32/float64). The 2-D and 3-D kernels also order their arithmetic differently.
+
+def _unnormalize(r, coord, size, align_corners, vectorized):
+    if vectorized:  # (c + 1) * scale [- 0.5], scale = half(size [- 1]) / 2
+        if align_corners:
+            return r(r(coord + 1) * r(r(size - 1) / 2))
+        return r(r(r(coord + 1) * r(r(size) / 2)) - 0.5)
+    if align_corners:
+        return r(r(r(coord + 1) / 2) * r(size - 1))
+    return r(r(r(r(coord + 1) * r(size)) - 1) / 2)
+
+
+def _clip(coord, size):
+    # Zero for NaN, and a zero gradient at both borders, as PyTorch's kernels give.
+    coord = jnp.where(coord > 0, coord, 0)
+    return jnp.where(coord < size - 1, coord, size - 1)
+
+
+def _reflect(r, coord, size, align_corners, vectorized):
+    if vectorized:  # about [low, low + span], through twice the span
+        if align_corners and size <= 1:
+            return jnp.zeros_like(coord)
+        low = 0.0 if align_corners else -0.5
+        twice_span = r(r(size - 1 if align_corners else size) * 2)
+        folded = jnp.abs(r(coord - low))
+        extra = r(folded - r(jnp.trunc(r(folded / twice_span)) * twice_span))
+        return r(jnp.minimum(extra, r(twice_span - extra)) + low)
+    twice_low, twice_high = (0, 2 * (size - 1)) if align_corners else (-1, 2 * size - 1)
+    if twice_low == twice_high:
+        return jnp.zeros_like(coord)
+    low, span = r(r(twice_low) / 2), r(r(twice_high - twice_low) / 2)
+    folded = jnp.abs(r(coord - low))
+    extra = jnp.fmod(folded, span)
+    flips = jnp.floor(r(folded / span))
+    return jnp.where(flips % 2 == 0, r(extra + low), r(r(span - extra) + low))
+
+
+def _pad_coordinates(r, coord, size, padding_mode, align_corners, vectorized):
+    if padding_mode == 1:  # border
+        return _clip(coord, size)
+    if padding_mode == 2:  # reflection
+        return _clip(_reflect(r, coord, size, align_corners, vectorized), size)
+    return coord
+
+
+def _gather(x, index, sizes):
+    """x (N, C, *sizes) at integer positions `index` (per dim, each (N, *out)) as (N, C, *out),
+    zero where outside the input."""
+    inside = functools.reduce(operator.and_, [(i >= 0) & (i < n) for i, n in zip(index, sizes)])
+    safe = [jnp.clip(i, 0, n - 1) for i, n in zip(index, sizes)]
+    values = jax.vmap(lambda v, *ii: v[(slice(None),) + tuple(ii)])(x, *safe)
+    return jnp.where(inside[:, None], values, 0)
+
+
+# PyTorch's cubic convolution (A = -0.75), in its kernels' order of operations, `r` rounding
+# after each one (identity: none).  5A, 8A, 4A, A + 2 and A + 3 are exact in every float type.
+_CUBIC_A = -0.75
+
+
+def _cubic_far(r, v):  # 1 < |v| < 2
+    a = _CUBIC_A
+    return r(r(r(r(r(r(a * v) - 5 * a) * v) + 8 * a) * v) - 4 * a)
+
+
+def _cubic_near(r, v):  # |v| <= 1
+    a = _CUBIC_A
+    return r(r(r(r(r((a + 2) * v) - (a + 3)) * v) * v) + 1)
+
+
+def _cubic_coefficients(r, t):
+    """The four tap weights of the grid sampler's kernel (its last tap from 2 - t)."""
+    return [_cubic_far(r, r(t + 1)), _cubic_near(r, t), _cubic_near(r, r(1 - t)),
+            _cubic_far(r, r(2 - t))]
+
+
+def _grid_sample(x, grid, interpolation_mode, padding_mode, align_corners):
+    nd = x.ndim - 2
+    vectorized = nd == 2
+    half = x.dtype in HALF_TYPES
+    r = (lambda v: round_to(v, x.dtype)) if half else (lambda v: v)
+    acc = jnp.float32 if half else x.dtype
+    xs, grid = x.astype(acc), grid.astype(acc)
+    sizes = x.shape[2:]
+    coords = [_unnormalize(r, grid[..., nd - 1 - i], n, align_corners, vectorized)
+              for i, n in enumerate(sizes)]  # per input dim, in (D,) H, W order
+    if interpolation_mode == 2:  # bicubic (2-D only): padding applies to each tap
+        base = [jnp.floor(c) for c in coords]
+        cy, cx = (_cubic_coefficients(r, r(c - b)) for c, b in zip(coords, base))
+        # The four row and four column positions each tap reads, padded.
+        row_taps, col_taps = ([_pad_coordinates(r, r(b + (k - 1)), n, padding_mode,
+                                                align_corners, True).astype(jnp.int32)
+                               for k in range(4)] for b, n in zip(base, sizes))
+        rows = []
+        for yy in row_taps:
+            row = None
+            for j, xx in enumerate(col_taps):
+                term = r(cx[j][:, None] * _gather(xs, (yy, xx), sizes))
+                row = term if row is None else r(row + term)
+            rows.append(row)
+        out = None
+        for i in range(4):
+            term = r(cy[i][:, None] * rows[i])
+            out = term if out is None else r(out + term)
+        return out.astype(x.dtype)
+    coords = [_pad_coordinates(r, c, n, padding_mode, align_corners, vectorized)
+              for c, n in zip(coords, sizes)]
+    if interpolation_mode == 1:  # nearest, halves to even
+        index = [jnp.round(c).astype(jnp.int32) for c in coords]
+        return _gather(xs, index, sizes).astype(x.dtype)
+    low = [jnp.floor(c) for c in coords]
+    above = [r(c - l) for c, l in zip(coords, low)]  # weight of the upper neighbour
+    below = [r(1 - a) for a in above] if vectorized else \
+        [r(r(l + 1) - c) for c, l in zip(coords, low)]
+    out = None
+    # Corners in the kernels' order (last dim fastest), each weight a product over dims.
+    for corner in itertools.product((0, 1), repeat=nd):
+        ws = [(above if c else below)[i] for i, c in enumerate(corner)]
+        # 2-D: nw = s * e (the row's weight first); 3-D: tnw = (x) * (y) * (z).
+        w = functools.reduce(lambda p, q: r(p * q), ws if vectorized else ws[::-1])
+        index = [(l + c).astype(jnp.int32) for l, c in zip(low, corner)]
+        term = r(_gather(xs, index, sizes) * w[:, None])
+        out = term if out is None else r(out + term)
+    return out.astype(x.dtype)
+
+
+@lowering("aten::grid_sampler_2d.default")
+def grid_sampler_2d(x, grid, interpolation_mode, padding_mode, align_corners):
+    return _grid_sample(x, grid, interpolation_mode, padding_mode, align_corners)
+
+
+@lowering("aten::grid_sampler_3d.default")
+def grid_sampler_3d(x, grid, interpolation_mode, padding_mode, align_corners):
+    if interpolation_mode not in (0, 1):
+        raise RuntimeError("grid_sampler(): bicubic interpolation only supports 4D input")
+    return _grid_sample(x, grid, interpolation_mode, padding_mode, align_corners)
+
+
+# --- embedding_bag -----------------------------------------------------------------------------
+@lowering("aten::_embedding_bag.default")
+def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
+                  per_sample_weights=None, include_last_offset=False, padding_idx=-1):
+    n, dim = indices.shape[0], weight.shape[1]
+    bags = offsets.shape[0] - (1 if include_last_offset else 0)
+    bag = jnp.searchsorted(offsets[:bags], jnp.arange(n), side="right") - 1  # offset2bag
+    if include_last_offset and n:
+        bag = jnp.where(jnp.arange(n) >= offsets[-1], bags, bag)  # past the last bag: dropped
+    valid = (indices != padding_idx) & (bag >= 0) & (bag < bags)
+    rows = jnp.take(weight, indices, axis=0, mode="clip")
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights[:, None].astype(rows.dtype)
+    segment = jnp.where(valid, bag, bags)  # invalid positions go to a dropped extra segment
+    count = jax.ops.segment_sum(valid.astype(jnp.int64), segment, bags + 1)[:bags]
+    if mode == 2:
+        best = jax.ops.segment_max(jnp.where(valid[:, None], rows, -jnp.inf), segment, bags + 1)
+        best = best[:bags]
+        at_best = valid[:, None] & (rows == best[segment.clip(0, bags - 1)])
+        first = jax.ops.segment_min(jnp.where(at_best, jnp.arange(n)[:, None], n), segment,
+                                    bags + 1)[:bags]
+        max_indices = jnp.where(count[:, None] > 0, indices[jnp.clip(first, 0, max(n - 1, 0))], -1)
+        out = jnp.where(count[:, None] > 0, best, 0)
+    else:
+        out = jax.ops.segment_sum(jnp.where(valid[:, None], rows, 0), segment, bags + 1)[:bags]
+        if mode == 1:
+            out = out / jnp.maximum(count, 1)[:, None].astype(out.dtype)
+        max_indices = jnp.zeros((0,), jnp.int64)
+    # bag_size has one entry per offset, even the closing one of include_last_offset
+    bag_size = jnp.concatenate([count, jnp.zeros(offsets.shape[0] - bags, jnp.int64)])
+    return (out.astype(weight.dtype).reshape(bags, dim), bag.astype(jnp.int64),
+            bag_size, max_indices.astype(jnp.int64))
+
+
+@lowering("aten::_embedding_bag_dense_backward.default")
+def embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices,
+                                 num_weights, scale_grad_by_freq, mode, per_sample_weights=None,
+                                 padding_idx=-1):
+    dim = grad.shape[1]
+    if mode == 2:
+        filled = (bag_size[:grad.shape[0]] > 0)[:, None]
+        cols = jnp.broadcast_to(jnp.arange(dim), maximum_indices.shape)
+        return jnp.zeros((num_weights, dim), grad.dtype).at[
+            jnp.where(filled, maximum_indices, num_weights), cols].add(grad, mode="drop")
+    bags = grad.shape[0]
+    valid = (indices != padding_idx) & (offset2bag >= 0) & (offset2bag < bags)
+    bag = jnp.clip(offset2bag, 0, max(bags - 1, 0))
+    g = grad[bag]
+    if mode == 1:
+        g = g / jnp.maximum(bag_size[bag], 1)[:, None].astype(g.dtype)
+    if per_sample_weights is not None:
+        g = g * per_sample_weights[:, None].astype(g.dtype)
+    if scale_grad_by_freq:
+        freq = jnp.zeros(num_weights, g.dtype).at[indices].add(1)
+        g = g / freq[indices][:, None]
+    g = jnp.where(valid[:, None], g, 0)
+    return jnp.zeros((num_weights, dim), grad.dtype).at[indices].add(g)
+
+
+@lowering("aten::_embedding_bag_per_sample_weights_backward.default")
+def embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag, mode,
+                                              padding_idx=-1):
+    bags = grad.shape[0]
+    valid = (indices != padding_idx) & (offset2bag >= 0) & (offset2bag < bags)
+    g = grad[jnp.clip(offset2bag, 0, max(bags - 1, 0))]
+    return jnp.where(valid, jnp.sum(g * weight[indices], axis=1), 0).astype(grad.dtype)
+
+
+@lowering("aten::_embedding_bag_backward.default")
+def embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices,
+                           num_weights, scale_grad_by_freq, mode, sparse,
+                           per_sample_weights=None, padding_idx=-1):
+    if sparse:
+        raise NotImplementedError("embedding_bag(sparse=True) gradients are sparse tensors, "
+                                  "which the tpu device does not support")
+    return embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices,
+                                        num_weights, scale_grad_by_freq, mode,
+                                        per_sample_weights, padding_idx)
+
+
+# --- linear upsampling: PyTorch's CPU kernel (weights per output index, then a weighted sum) ---
+def _source_index(in_size, out_size, align_corners, scale, f, cubic=False):
+    i = np.arange(out_size).astype(f)
+    if align_corners:
+        return (f(in_size - 1) / f(out_size - 1) if out_size > 1 else f(0)) * i
+    ratio = f(1.0 / scale) if scale is not None and scale > 0 else f(in_size) / f(out_size)
+    src = (ratio * (i + f(0.5)) - f(0.5)).astype(f)
+    return src if cubic else np.maximum(src, f(0))
+
+
+def _linear_taps(in_size, out_size, align_corners, scale, dtype):
+    """([index0, index1], [weight0, weight1]) per output index, as PyTorch's CPU kernel
+    computes them: in float32 (float64 for float64), the weights stored in the input's dtype."""
+    f = np.float64 if dtype == jnp.float64 else np.float32
+    if out_size == in_size:  # a copy
+        i = np.arange(out_size)
+        return [i, i], [np.ones(out_size, f), np.zeros(out_size, f)]
+    src = _source_index(in_size, out_size, align_corners, scale, f)
+    i0 = np.minimum(np.floor(src).astype(np.int64), in_size - 1)
+    w1 = np.clip(src - i0.astype(f), 0, 1).astype(dtype)  # lambda1, then 1 - lambda1, stored
+    w0 = (1 - w1.astype(f)).astype(dtype)
+    return [i0, np.minimum(i0 + 1, in_size - 1)], [w0.astype(f), w1.astype(f)]
+
+
+def _cubic_taps(in_size, out_size, align_corners, scale, dtype):
+    """Four (index, weight) taps per output index: PyTorch's cubic convolution (A = -0.75)
+    in float32, indices clamped to the input, the weights stored in the input's dtype."""
+    f = np.float64 if dtype == jnp.float64 else np.float32
+    src = _source_index(in_size, out_size, align_corners, scale, f, cubic=True)
+    i0 = np.minimum(np.floor(src).astype(np.int64), in_size - 1)
+    t = np.clip(src - i0.astype(f), 0, 1).astype(f)
+    exact = lambda v: v  # in `f` throughout, rounded only when stored below
+    # The upsampling kernel takes its last tap from (1 - t) + 1.
+    weights = [_cubic_far(exact, t + f(1)), _cubic_near(exact, t), _cubic_near(exact, f(1) - t),
+               _cubic_far(exact, f(1) - t + f(1))]
+    return ([np.clip(i0 + k - 1, 0, in_size - 1) for k in range(4)],
+            [w.astype(f).astype(dtype).astype(f) for w in weights])
+
+
+def _upsample_linear(x, output_size, align_corners, scales, taps=_linear_taps):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise NotImplementedError(f"interpolation of {x.dtype} tensors on tpu")
+    acc = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+    y = x.astype(acc)
+    nd = len(output_size)
+    # One dimension at a time from the last: the same products and sums, in the same order,
+    # as the CPU kernel's nested evaluation, in float32; the result rounded once.
+    for d in reversed(range(nd)):
+        axis = x.ndim - nd + d
+        index, weight = taps(x.shape[axis], output_size[d], align_corners, scales[d], x.dtype)
+        shape = (-1,) + (1,) * (nd - 1 - d)
+        terms = [jnp.take(y, i, axis=axis) * w.reshape(shape) for i, w in zip(index, weight)]
+        y = functools.reduce(operator.add, terms)
+    return y.astype(x.dtype)
+
+
+@lowering("aten::upsample_linear1d.default")
+def upsample_linear1d(x, output_size, align_corners, scales=None):
+    return _upsample_linear(x, output_size, align_corners, [scales])
+
+
+def _bilinear_vectorized(x, output_size, align_corners, scales):
+    """PyTorch's channels-last CPU kernel, which it also picks for small outputs: float32
+    weights (never rounded to half), w00 = h0 * w0 ..., summed over the four corners."""
+    acc = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+    (hs, hws), (ws, wws) = (
+        _linear_taps(x.shape[-2 + d], output_size[d], align_corners, scales[d], acc)
+        for d in (0, 1))
+    xf = x.astype(acc)
+    out = None
+    for hi, hw in zip(hs, hws):
+        rows = jnp.take(xf, hi, axis=-2)
+        for wi, ww in zip(ws, wws):
+            term = jnp.take(rows, wi, axis=-1) * (hw[:, None] * ww[None, :])
+            out = term if out is None else out + term
+    return out.astype(x.dtype)
+
+
+@lowering("aten::upsample_bilinear2d.default")
+def upsample_bilinear2d(x, output_size, align_corners, scales_h=None, scales_w=None):
+    scales = [scales_h, scales_w]
+    if x.dtype == jnp.uint8:
+        return _resize_uint8(x, output_size, align_corners, scales, antialias=False)
+    if jnp.issubdtype(x.dtype, jnp.floating) and (
+            sum(output_size) <= 128 or (x.shape[1] == 3 and torch.get_num_threads() == 1)):
+        return _bilinear_vectorized(x, output_size, align_corners, scales)
+    return _upsample_linear(x, output_size, align_corners, scales)
+
+
+@lowering("aten::upsample_bicubic2d.default")
+def upsample_bicubic2d(x, output_size, align_corners, scales_h=None, scales_w=None):
+    return _upsample_linear(x, output_size, align_corners, [scales_h, scales_w], _cubic_taps)
+
+
+@lowering("aten::upsample_trilinear3d.default")
+def upsample_trilinear3d(x, output_size, align_corners, scales_d=None, scales_h=None,
+                         scales_w=None):
+    return _upsample_linear(x, output_size, align_corners, [scales_d, scales_h, scales_w])
+
+
+# --- uint8 bilinear resize: PyTorch's CPU integer kernel (as PIL's) --------------------------
+# Weights are computed in float64 per output index, quantised to int16 with a precision shift
+# chosen from the largest weight, and each pass (width, then height; a dimension of unchanged
+# size is skipped) sums pixel * weight in int32, adds half, shifts, clamps to uint8.
+def _uint8_taps(in_size, out_size, align_corners, scale, antialias):
+    """(input index, int16 weight) per (output index, tap), and the precision shift."""
+    if antialias:  # the float filter, computed in float64
+        windows, taps = _tent_windows(in_size, out_size, align_corners, scale, np.float64)
+        weights = np.zeros((out_size, taps))
+        for i, (_, w) in enumerate(windows):
+            weights[i, :len(w)] = w
+        first = np.array([lo for lo, _ in windows], np.int64)
+    else:  # the two linear weights, those of positions outside folded onto the border
+        weights, first = _uint8_linear_weights(in_size, out_size, align_corners, scale)
+    precision = 0
+    while precision < 22 and int(0.5 + weights.max() * (1 << (precision + 1))) < (1 << 15):
+        precision += 1
+    scaled = weights * (1 << precision)
+    w16 = np.trunc(scaled + np.where(scaled < 0, -0.5, 0.5)).astype(np.int32)
+    index = np.minimum(first[:, None] + np.arange(weights.shape[1]), in_size - 1)
+    return index, w16, precision
+
+
+def _uint8_linear_weights(in_size, out_size, align_corners, scale):
+    if align_corners:
+        scale = (in_size - 1) / (out_size - 1) if out_size > 1 else 0.0
+    else:
+        scale = 1.0 / scale if scale is not None and scale > 0 else in_size / out_size
+    taps = 2
+    weights = np.zeros((out_size, taps))
+    first = np.zeros(out_size, np.int64)
+    for i in range(out_size):
+        src = scale * i if align_corners else max(scale * (i + 0.5) - 0.5, 0.0)
+        index = min(int(np.floor(np.float32(src))), in_size - 1)
+        lam = min(max(src - index, 0.0), 1.0)
+        n = min(max(min(index + 2, in_size) - max(index, 0), 0), taps)
+        k = 0
+        for j in range(taps):
+            k = 0 if index + j <= 0 else n - 1 if index + j >= in_size - 1 else k
+            weights[i, k] += max(1.0 - abs(j - lam), 0.0)
+            k += 1
+        first[i] = max(index, 0)
+    return weights, first
+
+
+def _resize_uint8(x, output_size, align_corners, scales, antialias):
+    y = x
+    for axis in (-1, -2):
+        out = output_size[axis]
+        if y.shape[axis] == out:
+            continue
+        index, w16, precision = _uint8_taps(y.shape[axis], out, align_corners, scales[axis],
+                                            antialias)
+        acc = jnp.full(y.shape[:axis % y.ndim] + (out,) + y.shape[y.ndim + axis + 1:],
+                       1 << (precision - 1), jnp.int32)
+        shape = (-1,) + (1,) * (-axis - 1)
+        for j in range(index.shape[1]):
+            acc = acc + jnp.take(y, index[:, j], axis=axis).astype(jnp.int32) * \
+                w16[:, j].reshape(shape)
+        y = jnp.clip(acc >> precision, 0, 255).astype(jnp.uint8)
+    return y
+
+
+# --- antialiased bilinear resize: PyTorch's (and PIL's) separable triangle filter --------------
+def _tent_windows(in_size, out_size, align_corners, scale, f):
+    """PyTorch's (and PIL's) antialiasing filter along one axis, computed in the float type `f`:
+    per output index, the first input index it reads and its normalised tent weights; and the
+    most taps any output reads."""
+    if align_corners:
+        scale = f((in_size - 1) / (out_size - 1)) if out_size > 1 else f(0)
+    else:
+        scale = f(1.0 / scale) if scale is not None and scale > 0 else f(in_size / out_size)
+    support = f(scale) if scale >= 1.0 else f(1.0)  # interp_size / 2 = 1, widened by scale
+    max_taps = int(np.ceil(support)) * 2 + 1
+    invscale = f(1.0 / scale) if scale >= 1.0 else f(1.0)
+    windows = []
+    for i in range(out_size):
+        center = f(scale * (i + 0.5))
+        xmin = max(int(center - support + 0.5), 0)
+        xsize = min(max(min(int(center + support + 0.5), in_size) - xmin, 0), max_taps)
+        taps = np.maximum(
+            0, 1 - np.abs((np.arange(xsize, dtype=f) + xmin - center + f(0.5)) * invscale)
+        ).astype(f)
+        total = taps.sum(dtype=f)
+        windows.append((xmin, taps / total if total != 0 else taps))
+    return windows, max_taps
+
+
+def _aa_weights(in_size, out_size, align_corners, scale):
+    """(out, in) float32 matrix of PyTorch's antialiasing weights along one axis."""
+    windows, _ = _tent_windows(in_size, out_size, align_corners, scale, np.float32)
+    weights = np.zeros((out_size, in_size), np.float32)
+    for i, (xmin, taps) in enumerate(windows):
+        weights[i, xmin:xmin + len(taps)] = taps
+    return weights
+
+
+def _aa_resize(x, output_size, align_corners, scales_h, scales_w):
+    wh = _aa_weights(x.shape[-2], output_size[0], align_corners, scales_h)
+    ww = _aa_weights(x.shape[-1], output_size[1], align_corners, scales_w)
+    horizontal = jnp.einsum("...hw,ow->...ho", x.astype(jnp.float32), ww,
+                            precision=lax.Precision.HIGHEST)
+    out = jnp.einsum("...hw,oh->...ow", horizontal, wh, precision=lax.Precision.HIGHEST)
+    return out.astype(x.dtype)
+
+
+@lowering("aten::_upsample_bilinear2d_aa.default")
+def upsample_bilinear2d_aa(x, output_size, align_corners, scales_h=None, scales_w=None):
+    if x.dtype == jnp.uint8:
+        return _resize_uint8(x, output_size, align_corners, [scales_h, scales_w], antialias=True)
+    return _aa_resize(x, output_size, align_corners, scales_h, scales_w)
+
+
+@lowering("aten::_upsample_bilinear2d_aa_backward.default")
+def upsample_bilinear2d_aa_backward(grad, output_size, input_size, align_corners, scales_h=None,
+                                    scales_w=None):
+    x = jnp.zeros(tuple(input_size), grad.dtype)
+    _, pullback = jax.vjp(lambda a: _aa_resize(a, output_size, align_corners, scales_h,
+                                               scales_w), x)
+    return pullback(grad)[0]
+
+
+# --- CTC loss ----------------------------------------------------------------------------------
+def _ctc_labels(targets, target_lengths):
+    """(B, S) padded targets from either layout PyTorch accepts."""
+    lengths = [int(n) for n in target_lengths]
+    width = max(lengths, default=0)
+    if targets.ndim == 2:
+        return targets[:, :max(width, 1)] if width else jnp.zeros((len(lengths), 1), targets.dtype)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    index = np.minimum(starts[:, None] + np.arange(max(width, 1)),
+                       max(targets.shape[0] - 1, 0))
+    return targets[index] if targets.shape[0] else jnp.zeros(index.shape, targets.dtype)
+
+
+def _logaddexp(a, b):
+    """log(exp(a) + exp(b)) whose gradient stays finite (zero) where both are -inf; JAX's
+    logaddexp gives NaN there, and CTC's unreachable states are exactly that."""
+    m = jnp.maximum(a, b)
+    dead = jnp.isneginf(m)
+    a, b, m = (jnp.where(dead, 0, v) for v in (a, b, m))
+    return jnp.where(dead, -jnp.inf, m + jnp.log(jnp.exp(a - m) + jnp.exp(b - m)))
+
+
+def _ctc_forward(log_probs, targets, input_lengths, target_lengths, blank):
+    """(negative log likelihood per batch, log_alpha (B, T, 2 * max S + 1))."""
+    batched = log_probs.ndim == 3
+    lp = log_probs if batched else log_probs[:, None]
+    t_max, bsz, _ = lp.shape
+    labels = _ctc_labels(targets, target_lengths).astype(jnp.int32)
+    s_len = 2 * labels.shape[1] + 1
+    ext = jnp.full((bsz, s_len), blank, jnp.int32).at[:, 1::2].set(labels)
+    s_idx = jnp.arange(s_len)
+    tl = jnp.asarray([int(n) for n in target_lengths], jnp.int32).reshape(bsz)
+    il = jnp.asarray([int(n) for n in input_lengths], jnp.int32).reshape(bsz)
+    valid_s = s_idx[None, :] <= 2 * tl[:, None]
+    skip = (s_idx[None, :] >= 2) & (ext != blank) & (ext != jnp.roll(ext, 2, axis=1))
+    neg = jnp.asarray(-jnp.inf, lp.dtype)
+
+    def emit(t):  # each extended label's log probability at time t, (B, 2S+1)
+        return jnp.take_along_axis(lp[t], ext, axis=1)
+
+    first = jnp.where((s_idx[None, :] < 2) & valid_s, emit(0), neg)
+    first = jnp.where((s_idx[None, :] == 1) & (tl[:, None] == 0), neg, first)
+
+    def step(alpha, t):
+        prev1 = jnp.concatenate([jnp.full((bsz, 1), neg), alpha[:, :-1]], axis=1)
+        prev2 = jnp.concatenate([jnp.full((bsz, 2), neg), alpha[:, :-2]], axis=1)
+        prev2 = jnp.where(skip, prev2, neg)
+        new = _logaddexp(_logaddexp(alpha, prev1), prev2) + emit(t)
+        new = jnp.where(valid_s, new, neg)
+        new = jnp.where((t < il)[:, None], new, alpha)  # past its input length: frozen
+        return new, new
+
+    last, rest = lax.scan(step, first, jnp.arange(1, t_max))
+    log_alpha = jnp.concatenate([first[None], rest], axis=0).transpose(1, 0, 2)
+    end = jnp.take_along_axis(last, (2 * tl)[:, None], axis=1)[:, 0]
+    before = jnp.take_along_axis(last, jnp.maximum(2 * tl - 1, 0)[:, None], axis=1)[:, 0]
+    before = jnp.where(tl > 0, before, neg)
+    nll = -_logaddexp(end, before)
+    nll = jnp.where(il == 0, jnp.where(tl == 0, 0, jnp.inf), nll)
+    if not batched:
+        nll, log_alpha = nll[0], log_alpha[0]
+    return nll, log_alpha
+
+
+@lowering("aten::_ctc_loss.default")
+def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
+    nll, log_alpha = _ctc_forward(log_probs, targets, input_lengths, target_lengths, blank)
+    if zero_infinity:
+        nll = jnp.where(jnp.isinf(nll), 0, nll)
+    return nll, log_alpha
+
+
+@lowering("aten::_ctc_loss_backward.default")
+def ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, nll, log_alpha,
+                      blank, zero_infinity=False):
+    # PyTorch's CTC gradient is taken w.r.t. the logits under log_softmax: the derivative of
+    # the loss w.r.t. log_probs plus exp(log_probs), over each sequence's own input length.
+    forward_nll, pullback = jax.vjp(
+        lambda lp: _ctc_forward(lp, targets, input_lengths, target_lengths, blank)[0], log_probs)
+    g = grad.astype(log_probs.dtype)
+    d_lp = pullback(g)[0]
+    probs = jnp.exp(log_probs)
+    batched = log_probs.ndim == 3
+    il = jnp.asarray([int(n) for n in input_lengths], jnp.int32)
+    t = jnp.arange(log_probs.shape[0])
+    if batched:
+        live = (t[:, None] < il[None, :])[..., None]
+        scaled = probs * g[None, :, None]
+        bad = jnp.isinf(forward_nll)[None, :, None]
+    else:
+        live = (t < il[0])[:, None]
+        scaled = probs * g
+        bad = jnp.isinf(forward_nll)
+    out = jnp.where(live, d_lp + scaled, 0)
+    if zero_infinity:
+        out = jnp.where(bad, 0, out)
+    return out.astype(log_probs.dtype)

@@ -1,0 +1,369 @@
+"""Elementwise math, comparisons and `where`: PyTorch's type promotion comes from the meta
+kernel (inputs are cast to the result dtype before the JAX function runs)."""
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .._core.registry import lowering
+
+# --- arithmetic ----------------------------------------------------------------------------
+
+
+@lowering("aten::add.Tensor", "aten::add.Scalar", promote=True)
+def add(x, y, alpha=1):
+    return x + alpha * y
+
+
+@lowering("aten::sub.Tensor", "aten::sub.Scalar", promote=True)
+def sub(x, y, alpha=1):
+    return x - alpha * y
+
+
+@lowering("aten::rsub.Tensor", "aten::rsub.Scalar", promote=True)
+def rsub(x, y, alpha=1):
+    return y - alpha * x
+
+
+@lowering("aten::mul.Tensor", "aten::mul.Scalar", promote=True)
+def mul(x, y):
+    return x * y
+
+
+@lowering("aten::div.Tensor", "aten::div.Scalar", promote=True)
+def div(x, y):
+    return x / y
+
+
+@lowering("aten::div.Tensor_mode", "aten::div.Scalar_mode", promote=True)
+def div_mode(x, y, rounding_mode=None):
+    if rounding_mode is None:
+        return x / y
+    if jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer):
+        if rounding_mode == "floor":
+            return jnp.floor_divide(x, y)
+        x, y = jnp.broadcast_arrays(x, jnp.asarray(y, jnp.asarray(x).dtype))
+        q = lax.div(x, y)  # C division truncates
+        return q
+    q = x / y
+    return jnp.floor(q) if rounding_mode == "floor" else jnp.trunc(q)
+
+
+@lowering("aten::remainder.Tensor", "aten::remainder.Scalar", promote=True)
+def remainder(x, y):
+    return jnp.remainder(x, y)
+
+
+@lowering("aten::fmod.Tensor", "aten::fmod.Scalar", promote=True)
+def fmod(x, y):
+    return jnp.fmod(x, y)
+
+
+@lowering("aten::pow.Tensor_Tensor", "aten::pow.Tensor_Scalar", "aten::pow.Scalar", promote=True)
+def pow_(x, y):
+    if all(jnp.issubdtype(jnp.asarray(v).dtype, jnp.integer) for v in (x, y)):
+        return _int_pow(x, y)
+    return jnp.power(x, y)
+
+
+def _int_pow(x, y):
+    # Square-and-multiply over every bit of the exponent, wrapping like C++ integers (JAX's
+    # integer power only looks at an exponent's low bits).
+    x, y = jnp.broadcast_arrays(jnp.asarray(x), jnp.asarray(y))
+    y = y.astype(x.dtype)
+
+    def body(state):
+        result, base, e = state
+        result = jnp.where(e & 1, result * base, result)
+        return result, base * base, e >> 1
+
+    positive = jnp.maximum(y, 0)
+    result, _, _ = lax.while_loop(lambda s: jnp.any(s[2] > 0), body,
+                                  (jnp.ones_like(x), x, positive))
+    # x ** -n truncates to 0 except for x = 1 and x = -1, as in PyTorch's powi.
+    at_negative = jnp.where(x == 1, 1, jnp.where(x == -1, jnp.where(y & 1, -1, 1), 0)).astype(x.dtype)
+    return jnp.where(y < 0, at_negative, result)
+
+
+@lowering("aten::neg.default", promote=True)
+def neg(x):
+    return -x
+
+
+@lowering("aten::reciprocal.default", promote=True)
+def reciprocal(x):
+    return 1 / x
+
+
+@lowering("aten::abs.default")
+def abs_(x):
+    return jnp.abs(x)
+
+
+@lowering("aten::sign.default")
+def sign(x):
+    return x if x.dtype == jnp.bool_ else jnp.sign(x)
+
+
+@lowering("aten::sgn.default")
+def sgn(x):
+    return sign(x)
+
+
+@lowering("aten::maximum.default", promote=True)
+def maximum(x, y):
+    return jnp.maximum(x, y)
+
+
+@lowering("aten::minimum.default", promote=True)
+def minimum(x, y):
+    return jnp.minimum(x, y)
+
+
+@lowering("aten::clamp.default", "aten::clamp.Tensor", promote=True)
+def clamp(x, lo=None, hi=None):
+    if lo is not None:
+        x = jnp.maximum(x, lo)
+    if hi is not None:
+        x = jnp.minimum(x, hi)
+    return x
+
+
+@lowering("aten::clamp_min.default", "aten::clamp_min.Tensor", promote=True)
+def clamp_min(x, lo):
+    return jnp.maximum(x, lo)
+
+
+@lowering("aten::clamp_max.default", "aten::clamp_max.Tensor", promote=True)
+def clamp_max(x, hi):
+    return jnp.minimum(x, hi)
+
+
+@lowering("aten::addcmul.default", promote=True, opmath=True)
+def addcmul(x, a, b, value=1):
+    return x + value * a * b
+
+
+@lowering("aten::addcdiv.default", promote=True, opmath=True)
+def addcdiv(x, a, b, value=1):
+    return x + value * a / b
+
+
+@lowering("aten::lerp.Scalar", "aten::lerp.Tensor", promote=True, opmath=True)
+def lerp(x, end, weight):
+    # PyTorch's formula: exact at weight 0 and 1 from either side.
+    return jnp.where(jnp.abs(weight) < 0.5, x + weight * (end - x), end - (end - x) * (1 - weight))
+
+
+# --- unary float functions (integers promote to the default float dtype) -----------------
+
+# square, isfinite, silu_backward and where's Scalar overloads are CompositeImplicitAutograd in
+# PyTorch: they decompose into these, so they need no lowering of their own.
+def _unary(name, fn):
+    lowering(f"aten::{name}.default", promote=True, opmath=True)(fn)
+
+
+def digamma(x):
+    # PyTorch defines digamma(0) = -inf (the limit from the right); SciPy's gives NaN.
+    return jnp.where(x == 0, -jnp.inf, jax.scipy.special.digamma(x))
+
+
+for _name, _fn in {
+    "exp": jnp.exp, "exp2": jnp.exp2, "expm1": jnp.expm1, "log": jnp.log, "log2": jnp.log2,
+    "log10": jnp.log10, "log1p": jnp.log1p, "sqrt": jnp.sqrt, "rsqrt": lax.rsqrt,
+    "sin": jnp.sin, "cos": jnp.cos, "tan": jnp.tan, "asin": jnp.arcsin, "acos": jnp.arccos,
+    "atan": jnp.arctan, "sinh": jnp.sinh, "cosh": jnp.cosh, "tanh": jnp.tanh,
+    "asinh": jnp.arcsinh, "acosh": jnp.arccosh, "atanh": jnp.arctanh,
+    "sigmoid": jax.nn.sigmoid, "erf": jax.scipy.special.erf, "erfc": jax.scipy.special.erfc,
+    "erfinv": jax.scipy.special.erfinv, "lgamma": jax.scipy.special.gammaln,
+    "digamma": digamma,
+    "floor": jnp.floor, "ceil": jnp.ceil, "trunc": jnp.trunc, "round": jnp.round,
+    "frac": lambda x: x - jnp.trunc(x),
+}.items():
+    _unary(_name, _fn)
+
+
+@lowering("aten::round.decimals", promote=True)
+def round_decimals(x, decimals=0):
+    return jnp.round(x, decimals)
+
+
+@lowering("aten::atan2.default", promote=True)
+def atan2(x, y):
+    return jnp.arctan2(x, y)
+
+
+@lowering("aten::hypot.default", promote=True)
+def hypot(x, y):
+    return jnp.hypot(x, y)
+
+
+@lowering("aten::logaddexp.default", promote=True, opmath=True)
+def logaddexp(x, y):
+    if jnp.iscomplexobj(x):
+        return complex_logaddexp(x, y)
+    return jnp.logaddexp(x, y)
+
+
+def complex_logaddexp(x, y):
+    """PyTorch's complex log(exp(x) + exp(y)): ordered by real part, so the imaginary part
+    continues that of the larger term (jnp.logaddexp may land 2*pi away)."""
+    x_smaller = jnp.real(x) < jnp.real(y)
+    lo, hi = jnp.where(x_smaller, x, y), jnp.where(x_smaller, y, x)
+    both_infinite = ~jnp.isfinite(jnp.real(lo)) & (jnp.real(lo) == jnp.real(hi))
+    result = jnp.where(both_infinite,
+                       jnp.where(jnp.real(lo) < 0, lo, jnp.log(jnp.exp(lo) + jnp.exp(hi))),
+                       jnp.log1p(jnp.exp(lo - hi)) + hi)
+    nan = jnp.isnan(x) | jnp.isnan(y)
+    return jnp.where(nan, jnp.array(complex(jnp.nan, jnp.nan), x.dtype), result)
+
+
+@lowering("aten::xlogy.Tensor", promote=True)
+def xlogy(x, y):
+    return jax.scipy.special.xlogy(x, y)
+
+
+# --- comparisons and logic -------------------------------------------------------------
+
+for _name, _fn in {"eq": jnp.equal, "ne": jnp.not_equal, "lt": jnp.less, "le": jnp.less_equal,
+                   "gt": jnp.greater, "ge": jnp.greater_equal}.items():
+    lowering(f"aten::{_name}.Tensor", f"aten::{_name}.Scalar", promote="common")(_fn)
+
+
+@lowering("aten::logical_not.default")
+def logical_not(x):
+    return jnp.logical_not(x)
+
+
+@lowering("aten::logical_and.default")
+def logical_and(x, y):
+    return jnp.logical_and(x, y)
+
+
+@lowering("aten::logical_or.default")
+def logical_or(x, y):
+    return jnp.logical_or(x, y)
+
+
+@lowering("aten::logical_xor.default")
+def logical_xor(x, y):
+    return jnp.logical_xor(x, y)
+
+
+@lowering("aten::bitwise_not.default")
+def bitwise_not(x):
+    return jnp.logical_not(x) if x.dtype == jnp.bool_ else jnp.bitwise_not(x)
+
+
+for _name, _fn in {"bitwise_and": jnp.bitwise_and, "bitwise_or": jnp.bitwise_or,
+                   "bitwise_xor": jnp.bitwise_xor}.items():
+    lowering(f"aten::{_name}.Tensor", f"aten::{_name}.Scalar", promote=True)(_fn)
+
+
+@lowering("aten::isnan.default")
+def isnan(x):
+    return jnp.isnan(x)
+
+
+@lowering("aten::isinf.default")
+def isinf(x):
+    return jnp.isinf(x)
+
+
+@lowering("aten::isposinf.default")
+def isposinf(x):
+    return jnp.isposinf(x)
+
+
+@lowering("aten::isneginf.default")
+def isneginf(x):
+    return jnp.isneginf(x)
+
+
+@lowering("aten::signbit.default")
+def signbit(x):
+    return jnp.signbit(x)
+
+
+@lowering("aten::nan_to_num.default")
+def nan_to_num(x, nan=None, posinf=None, neginf=None):
+    return jnp.nan_to_num(x, nan=0.0 if nan is None else nan, posinf=posinf, neginf=neginf)
+
+
+@lowering("aten::where.self", promote=None)
+def where(cond, x, y):
+    return jnp.where(cond, x, y)
+
+
+# --- dtype/identity ----------------------------------------------------------------------
+
+
+@lowering("aten::copy.default")
+def copy(self, src, non_blocking=False):
+    return src
+
+
+@lowering("aten::clone.default")
+def clone(x, memory_format=None):
+    return x
+
+
+@lowering("aten::fill.Scalar", "aten::fill.Tensor")
+def fill(x, value):
+    return jnp.broadcast_to(jnp.asarray(value), x.shape)
+
+
+@lowering("aten::zero.default")
+def zero(x):
+    return jnp.zeros_like(x)
+
+
+@lowering("aten::masked_fill.Scalar", "aten::masked_fill.Tensor")
+def masked_fill(x, mask, value):
+    return jnp.where(mask, jnp.asarray(value).astype(x.dtype), x)
+
+
+@lowering("aten::fmax.default", promote=True)
+def fmax(a, b):
+    return jnp.fmax(a, b)
+
+
+@lowering("aten::fmin.default", promote=True)
+def fmin(a, b):
+    return jnp.fmin(a, b)
+
+
+@lowering("aten::copysign.Scalar", promote=True)
+def copysign_scalar(a, b):
+    return jnp.copysign(a, jnp.asarray(b, a.dtype))
+
+
+@lowering("aten::complex.default")
+def complex_(real, imag):
+    return jax.lax.complex(*jnp.broadcast_arrays(real, imag))
+
+
+@lowering("aten::polar.default")
+def polar(magnitude, angle):
+    magnitude, angle = jnp.broadcast_arrays(magnitude, angle)
+    return jax.lax.complex(magnitude * jnp.cos(angle), magnitude * jnp.sin(angle))
+
+
+@lowering("aten::softshrink_backward.default")
+def softshrink_backward(grad, x, lambd):
+    return jnp.where(jnp.abs(x) > lambd, grad, 0).astype(x.dtype)
+
+
+@lowering("aten::hardshrink_backward.default")
+def hardshrink_backward(grad, x, lambd):
+    return jnp.where(jnp.abs(x) > lambd, grad, 0).astype(x.dtype)
+
+
+@lowering("aten::gcd.default", promote=True)
+def gcd(x, y):
+    return jnp.gcd(x, y)
+
+
+@lowering("aten::lcm.default", promote=True)
+def lcm(x, y):
+    return jnp.lcm(x, y)
+
