@@ -19,16 +19,14 @@ if not hasattr(torch.tpu, "_torchtpu_library"):
 
 def _install_kernels():
     from . import _lowerings  # noqa: F401  (fills the lowering table)
-    from ._execution import fallback, fused, kernels, masks, transfer, views
+    from ._execution import composite, fallback, fused, kernels, masks, transfer, views
     from ._frontend import streams
-    from ._lowerings import batch_norm, factorizations, rrelu
 
     lib = torch.library.Library("aten", "IMPL")
     views.register(lib)
     transfer.register(lib)
     streams.register(lib)
-    manual = ({torch.ops.aten.copy_.default} | masks.register(lib) | batch_norm.register(lib)
-              | factorizations.register(lib) | rrelu.register(lib))
+    manual = {torch.ops.aten.copy_.default} | masks.register(lib) | composite.register(lib)
     kernels.register_table(lib, skip=manual)
     fallback_lib = torch.library.Library("_", "IMPL")
     fallback.register(fallback_lib)

@@ -3,6 +3,7 @@ import os
 import threading
 
 import jax
+import torch
 
 # int64 is PyTorch's index type and float64 a real dtype on the CPU; without x64 JAX would
 # silently narrow both.
@@ -90,3 +91,26 @@ def set_current_device(index):
 
 def supports_float64():
     return platform() != "tpu"
+
+
+def device_index(device):
+    """The tpu device index `device` names (None: the current device; an int, str or
+    torch.device)."""
+    if device is None:
+        return current_device()
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        device = torch.device(device)
+    if isinstance(device, torch.device):
+        if device.type != "tpu":
+            raise ValueError(f"Expected a tpu device, but got: {device}")
+        return current_device() if device.index is None else device.index
+    raise TypeError(f"Invalid device: {device!r}")
+
+
+def jax_precision():
+    """The jax.lax.Precision matching torch.get_float32_matmul_precision()."""
+    p = torch.get_float32_matmul_precision()
+    return {"highest": jax.lax.Precision.HIGHEST, "high": jax.lax.Precision.HIGH}.get(
+        p, jax.lax.Precision.DEFAULT)

@@ -51,7 +51,8 @@ def memory_stats_for(index):
 
 
 class Pending:
-    """The value of a storage that a deferred (fused) op will produce when its segment runs."""
+    """The value of a storage that a deferred (fused) op will produce when its segment runs;
+    reading it runs the segment (`trace.flush(reason)`)."""
 
     __slots__ = ("trace", "slot", "owner")
 
@@ -73,10 +74,6 @@ class Failed:
 # The concrete JAX array type, named without creating an array: importing torchtpu must not
 # start the XLA backends, or `jax.distributed.initialize` (multi-process jobs) could not run.
 from jax._src.array import ArrayImpl as Array  # noqa: E402
-
-# Set by the fused execution mode: runs pending work (argument: why) so values exist.
-flush_pending = None
-
 
 class DeviceBuffer:
     """The device memory behind one storage: a JAX array (None until first written, or
@@ -108,7 +105,7 @@ class DeviceBuffer:
     def array(self):
         a = self._array
         if type(a) is Pending:
-            flush_pending("read")
+            a.trace.flush("read")
             a = self._array
         if type(a) is Failed:
             raise RuntimeError(

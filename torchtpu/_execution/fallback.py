@@ -6,6 +6,8 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .._core import metrics
+from . import fused
+from .transfer import to_host
 
 _warned = set()
 
@@ -16,8 +18,6 @@ def _fallback(op, *args, **kwargs):
         raise NotImplementedError(
             f"The operator '{name}' is not implemented for the tpu device. "
             "Set torch.tpu.enable_cpu_fallback = True to run it on the CPU instead.")
-    from .transfer import to_host
-    from . import fused
     fused.flush("cpu_fallback")
     if name not in _warned:
         _warned.add(name)

@@ -51,6 +51,10 @@ class _Trace:
         self.captured = False  # taken over by torch.compile: never flushed
         self.in_backward = False  # recording the ops of a backward pass (the autograd engine's)
 
+    def flush(self, reason):
+        """Run the pending trace: a `Pending` value of this trace is being read."""
+        flush(reason)
+
 
 _trace = None
 _segments = {}
@@ -106,6 +110,14 @@ def record(kernel, compiled, vals, buffers, scalars, device):
     if len(tr.signature) >= max_ops and not tr.captured:
         flush("max_ops")
     return result
+
+
+def set_mode(mode):
+    """Switch the eager mode; leaving fused mode first runs what it deferred."""
+    mode = modes._coerce(mode)
+    if modes.fused and mode is not modes.EagerMode.DEFER_AND_FUSE:
+        flush("mode_change")
+    modes._set(mode)
 
 
 class CaptureBroken(RuntimeError):
@@ -366,7 +378,6 @@ def _on_optimizer_step(optimizer, args, kwargs):
 
 def install():
     from torch.optim.optimizer import register_optimizer_step_post_hook
-    storage.flush_pending = flush
     register_optimizer_step_post_hook(_on_optimizer_step)
 
 

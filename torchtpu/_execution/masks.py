@@ -2,6 +2,8 @@
 result's shape, so it synchronises (as on CUDA), then runs the integer-index lowering."""
 import torch
 
+from .kernels import kernel_for
+
 aten = torch.ops.aten
 
 
@@ -20,7 +22,6 @@ def _has_mask(indices):
 
 
 def register(lib):
-    from .kernels import kernel_for
     index, index_put, index_put_ = (kernel_for(aten.index.Tensor), kernel_for(aten.index_put.default),
                                     kernel_for(aten.index_put_.default))
 

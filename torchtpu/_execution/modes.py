@@ -47,27 +47,9 @@ def get_eager_mode():
 
 
 def _set(mode):
+    """Switch the mode; leaving fused mode must flush its trace first (torch.tpu.set_eager_mode
+    does)."""
     global current, fused, blocking
-    mode = _coerce(mode)
-    if fused and mode is not EagerMode.DEFER_AND_FUSE:
-        from . import fused as fused_mode
-        fused_mode.flush("mode_change")
-    current = mode
+    current = mode = _coerce(mode)
     fused = mode is EagerMode.DEFER_AND_FUSE
     blocking = mode is EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
-
-
-class set_eager_mode:
-    """`torch.tpu.set_eager_mode(mode)` switches at once; used as a context manager it also
-    restores the previous mode on exit, exceptions included."""
-
-    def __init__(self, mode):
-        self.previous = current
-        _set(mode)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        _set(self.previous)
-        return False

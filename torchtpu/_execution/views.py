@@ -3,7 +3,7 @@ over our storage (no buffer is touched), so aliasing is exactly PyTorch's."""
 import torch
 
 from .._core import storage
-from .._frontend.torch_tpu import _index as _device_index
+from .._core.runtime import device_index
 
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 aten = torch.ops.aten
@@ -31,7 +31,7 @@ def _redispatch(op):
 
 def _empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
     dtype = dtype or torch.get_default_dtype()
-    index = _device_index(device)
+    index = device_index(device)
     if memory_format is None or memory_format in (torch.contiguous_format, torch.preserve_format):
         stride = storage.contiguous_strides(size)
     else:
@@ -41,7 +41,7 @@ def _empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=
 
 def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
     dtype = dtype or torch.get_default_dtype()
-    return _empty(list(size), list(stride), dtype, _device_index(device))
+    return _empty(list(size), list(stride), dtype, device_index(device))
 
 
 def _empty(size, stride, dtype, index):

@@ -4,10 +4,10 @@ import enum
 import sys
 import types
 
-import jax
 import torch
 
 from .._core import runtime, storage
+from .._execution import fused as _fused
 from .._execution import modes as _modes
 from .._execution import random as _random
 
@@ -69,18 +69,7 @@ def set_device(device):
         runtime.set_current_device(index)
 
 
-def _index(device):
-    if device is None:
-        return runtime.current_device()
-    if isinstance(device, int):
-        return device
-    if isinstance(device, str):
-        device = torch.device(device)
-    if isinstance(device, torch.device):
-        if device.type != "tpu":
-            raise ValueError(f"Expected a tpu device, but got: {device}")
-        return runtime.current_device() if device.index is None else device.index
-    raise TypeError(f"Invalid device: {device!r}")
+_index = runtime.device_index
 
 
 def _get_current_device_index():
@@ -229,11 +218,7 @@ def precision(p):
         torch.set_float32_matmul_precision(prev)
 
 
-def jax_precision():
-    """The jax.lax.Precision matching torch.get_float32_matmul_precision()."""
-    p = torch.get_float32_matmul_precision()
-    return {"highest": jax.lax.Precision.HIGHEST, "high": jax.lax.Precision.HIGH}.get(
-        p, jax.lax.Precision.DEFAULT)
+jax_precision = runtime.jax_precision
 
 
 # --- fallback ------------------------------------------------------------------------------
@@ -248,8 +233,23 @@ from .streams import Event, Stream, current_stream, default_stream, set_stream, 
 # --- execution modes -----------------------------------------------------------------------
 
 EagerMode = _modes.EagerMode
-set_eager_mode = _modes.set_eager_mode
 get_eager_mode = _modes.get_eager_mode
+
+
+class set_eager_mode:
+    """`torch.tpu.set_eager_mode(mode)` switches at once; used as a context manager it also
+    restores the previous mode on exit, exceptions included."""
+
+    def __init__(self, mode):
+        self.previous = _modes.current
+        _fused.set_mode(mode)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        _fused.set_mode(self.previous)
+        return False
 
 
 class _DeviceModule(types.ModuleType):
@@ -261,7 +261,7 @@ class _DeviceModule(types.ModuleType):
 
     @eager_mode.setter
     def eager_mode(self, mode):
-        _modes._set(mode)
+        _fused.set_mode(mode)
 
 
 sys.modules[__name__].__class__ = _DeviceModule

@@ -1,4 +1,5 @@
-"""Batch normalisation: functional lowerings, and the eager ops that update running statistics.
+"""Batch normalisation: functional lowerings (the eager ops that update running statistics
+are in _execution/composite.py).
 
 `native_batch_norm` (what nn.BatchNorm calls) updates `running_mean`/`running_var` in place
 although its schema does not say so, so a value-only lowering would silently leave them
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from .._core.dtypes import to_jax_dtype, to_torch_dtype
+from .._core.dtypes import to_jax_dtype
 from .nn import inverse_sqrt, round_to
 from .._core.registry import HALF_TYPES, lowering
 
@@ -130,67 +131,3 @@ def batch_norm_backward(grad, x, weight, running_mean, running_var, save_mean, s
         grad_input = g * _per_channel(scale, x)
     return tuple(v if wanted else None
                  for v, wanted in zip((grad_input, grad_weight, grad_bias), output_mask))
-
-
-# --- the eager ops with in-place running statistics --------------------------------------
-
-def _saved_dtype(x, *params):
-    """The dtype of the statistics PyTorch's CPU kernels return, those they compute in
-    (PyTorch's meta kernels, which fix the table ops' output dtypes, say float32 for any
-    half-precision input, as on CUDA)."""
-    return to_torch_dtype(_stats_dtype(x, *params))
-
-
-def _no_stats(x, weight, bias, training, momentum, eps):
-    from .._execution.kernels import kernel_for
-    out, mean, invstd = kernel_for(aten._native_batch_norm_legit.no_stats)(
-        x, weight, bias, training, momentum, eps)
-    dtype = _saved_dtype(x, weight, bias)
-    return out, mean.to(dtype), invstd.to(dtype)
-
-
-def _with_update(x, weight, bias, running_mean, running_var, training, momentum, eps):
-    if running_mean is None or running_var is None:
-        if not training:
-            raise RuntimeError("running_mean and running_var must be defined in evaluation mode")
-        return aten._native_batch_norm_legit.no_stats(x, weight, bias, True, momentum, eps)
-    dtype = _saved_dtype(x, weight, bias, running_mean, running_var)
-    if not training:
-        out, _, _ = aten._native_batch_norm_legit_no_training(x, weight, bias, running_mean,
-                                                               running_var, momentum, eps)
-        # In evaluation nothing is saved for backward: empty, as the CPU kernel returns.
-        empty = x.new_empty((0,), dtype=dtype)
-        return out, empty, empty.clone()
-    out, mean, invstd, new_mean, new_var = aten._native_batch_norm_legit_functional(
-        x, weight, bias, running_mean, running_var, True, momentum, eps)
-    running_mean.copy_(new_mean)
-    running_var.copy_(new_var)
-    return out, mean.to(dtype), invstd.to(dtype)
-
-
-def _batch_norm_with_update(x, weight, bias, running_mean, running_var, momentum, eps):
-    # The training-mode batch norm nn.BatchNorm uses since PyTorch 2.3; `reserve` is cuDNN's
-    # workspace, empty elsewhere.
-    out, mean, invstd = _with_update(x, weight, bias, running_mean, running_var, True,
-                                     momentum, eps)
-    return out, mean, invstd, x.new_empty((0,), dtype=torch.uint8)
-
-
-def _native_layer_norm(x, normalized_shape, weight, bias, eps):
-    # Layer norm's saved mean/rstd have the same CPU-vs-meta dtype difference.
-    from .._execution.kernels import kernel_for
-    out, mean, rstd = kernel_for(aten.native_layer_norm.default)(x, normalized_shape, weight,
-                                                                 bias, eps)
-    dtype = _saved_dtype(x, weight, bias)
-    return out, mean.to(dtype), rstd.to(dtype)
-
-
-def register(lib):
-    ops = {aten.native_batch_norm.default: _with_update,
-           aten._native_batch_norm_legit.default: _with_update,
-           aten._native_batch_norm_legit.no_stats: _no_stats,
-           aten._batch_norm_with_update.default: _batch_norm_with_update,
-           aten.native_layer_norm.default: _native_layer_norm}
-    for op, kernel in ops.items():
-        lib.impl(op, kernel, "PrivateUse1")
-    return set(ops)

@@ -9,11 +9,7 @@ from jax import lax
 
 from .nn import round_to
 from .._core.registry import HALF_TYPES, lowering
-
-
-def _precision():
-    from .._frontend.torch_tpu import jax_precision
-    return jax_precision()
+from .._core.runtime import jax_precision as _precision
 
 
 def _dims(nd):

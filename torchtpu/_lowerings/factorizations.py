@@ -173,25 +173,6 @@ def linalg_lu_solve(lu, pivots, b, left=True, adjoint=False):
     return _mT(jsl.lu_solve((lu, piv), _mT(b), trans=1))
 
 
-# PyTorch factors the transpose of a contiguous real matrix for det/slogdet (det(Aᵀ) = det(A),
-# and it avoids a copy on the CPU), and the backward formulas rely on it: they solve with the
-# returned LU as that of Aᵀ. The kernels below make the same choice, then run the lowering.
-def _transposed_like_pytorch(overload):
-    from .._execution.kernels import kernel_for
-    kernel = kernel_for(overload)
-
-    def run(A):
-        return kernel(A.mH if A.is_contiguous() and not A.is_complex() else A)
-    return run
-
-
-def register(lib):
-    ops = {torch.ops.aten._linalg_det.default, torch.ops.aten._linalg_slogdet.default}
-    for op in ops:
-        lib.impl(op, _transposed_like_pytorch(op), "PrivateUse1")
-    return ops
-
-
 @lowering("aten::linalg_lu.default")
 def linalg_lu(a, pivot=True):
     if not pivot:

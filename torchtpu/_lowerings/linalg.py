@@ -3,11 +3,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._core.registry import HALF_TYPES, lowering
-
-
-def _precision():
-    from .._frontend.torch_tpu import jax_precision
-    return jax_precision()
+from .._core.runtime import jax_precision as _precision
 
 
 def _matmul(a, b):

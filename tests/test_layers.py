@@ -1,0 +1,107 @@
+"""The package floor plan: torchtpu's packages import only downward in one declared order, so
+there is no cycle between them (function-level imports included: they must not hide one)."""
+import ast
+import pathlib
+
+import torchtpu
+
+# Lowest first.  A module may import its own package and the packages before it.
+LAYERS = ["_core", "_lowerings", "_execution", "_compile", "_distributed", "_frontend", ""]
+ROOT = pathlib.Path(torchtpu.__file__).parent
+
+
+def _layer(module):
+    """The layer of a dotted torchtpu module name ("" for the top-level modules)."""
+    parts = module.split(".")
+    sub = parts[1] if len(parts) > 1 else ""
+    return sub if sub in LAYERS else ""
+
+
+def _module_name(path):
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts), parts[-1] == "__init__"
+
+
+def _imports():
+    """(importing module, imported torchtpu module, line) for every import in the package."""
+    for path in sorted(ROOT.rglob("*.py")):
+        name, is_package = _module_name(path)
+        package = name if is_package else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    base = node.module
+                # `from pkg import mod` imports pkg.mod when that is a module.
+                targets = [base] + [f"{base}.{a.name}" for a in node.names
+                                    if _is_module(f"{base}.{a.name}")]
+            else:
+                continue
+            for t in targets:
+                if t == "torchtpu" or t.startswith("torchtpu."):
+                    yield name, t, f"{path.relative_to(ROOT.parent)}:{node.lineno}"
+
+
+def _is_module(dotted):
+    p = ROOT.parent.joinpath(*dotted.split("."))
+    return p.with_suffix(".py").exists() or (p / "__init__.py").exists()
+
+
+def _upward(imports):
+    return [f"{where}: {src} imports {dst}" for src, dst, where in imports
+            if LAYERS.index(_layer(dst)) > LAYERS.index(_layer(src))]
+
+
+def _cycle(imports):
+    """A cycle among modules (every import counted, function-level ones too), or None."""
+    graph = {}
+    for src, dst, _ in imports:
+        if dst != src and not src.startswith(dst + "."):  # a package's parents run first anyway
+            graph.setdefault(src, set()).add(dst)
+    state, path = {}, []
+
+    def visit(m):
+        state[m] = "open"
+        path.append(m)
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == "open":
+                return path[path.index(n):] + [n]
+            if n not in state and (found := visit(n)):
+                return found
+        state[m] = "done"
+        path.pop()
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_every_package_is_declared_in_the_layer_order():
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"conformance", "examples"}
+    assert packages <= set(LAYERS), f"add {sorted(packages - set(LAYERS))} to LAYERS"
+
+
+def test_packages_import_only_downward():
+    upward = _upward(_imports())
+    assert not upward, "imports against the layer order:\n" + "\n".join(upward)
+
+
+def test_no_module_imports_itself_through_others():
+    assert _cycle(list(_imports())) is None
+
+
+def test_the_checks_can_fail():
+    """A core module importing the front door, and two modules importing each other, are caught."""
+    imports = list(_imports())
+    assert ("torchtpu._lowerings.conv", "torchtpu._core.registry") in {(s, d) for s, d, _ in imports}
+    bad = imports + [("torchtpu._core.storage", "torchtpu._execution.fused", "x.py:1")]
+    assert _upward(bad) == ["x.py:1: torchtpu._core.storage imports torchtpu._execution.fused"]
+    cycle = _cycle(imports + [("torchtpu._execution.modes", "torchtpu._execution.fused", "x.py:1")])
+    assert cycle is not None and "torchtpu._execution.modes" in cycle

@@ -1,0 +1,103 @@
+"""Dispatcher kernels composed of table kernels and tpu ops, for ops whose PyTorch contract the
+lowering table's pure functions cannot express: in-place running statistics, PyTorch's choice
+of factoring a transpose, an output filled in place *and* returned."""
+import torch
+import torch.nn.functional as F
+
+from .._core.dtypes import to_torch_dtype
+from .._lowerings.batch_norm import _stats_dtype
+from .kernels import kernel_for
+
+aten = torch.ops.aten
+
+
+# --- batch norm: the eager ops with in-place running statistics ----------------------------
+
+def _saved_dtype(x, *params):
+    """The dtype of the statistics PyTorch's CPU kernels return, those they compute in
+    (PyTorch's meta kernels, which fix the table ops' output dtypes, say float32 for any
+    half-precision input, as on CUDA)."""
+    return to_torch_dtype(_stats_dtype(x, *params))
+
+
+def _no_stats(x, weight, bias, training, momentum, eps):
+    out, mean, invstd = kernel_for(aten._native_batch_norm_legit.no_stats)(
+        x, weight, bias, training, momentum, eps)
+    dtype = _saved_dtype(x, weight, bias)
+    return out, mean.to(dtype), invstd.to(dtype)
+
+
+def _with_update(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    if running_mean is None or running_var is None:
+        if not training:
+            raise RuntimeError("running_mean and running_var must be defined in evaluation mode")
+        return aten._native_batch_norm_legit.no_stats(x, weight, bias, True, momentum, eps)
+    dtype = _saved_dtype(x, weight, bias, running_mean, running_var)
+    if not training:
+        out, _, _ = aten._native_batch_norm_legit_no_training(x, weight, bias, running_mean,
+                                                               running_var, momentum, eps)
+        # In evaluation nothing is saved for backward: empty, as the CPU kernel returns.
+        empty = x.new_empty((0,), dtype=dtype)
+        return out, empty, empty.clone()
+    out, mean, invstd, new_mean, new_var = aten._native_batch_norm_legit_functional(
+        x, weight, bias, running_mean, running_var, True, momentum, eps)
+    running_mean.copy_(new_mean)
+    running_var.copy_(new_var)
+    return out, mean.to(dtype), invstd.to(dtype)
+
+
+def _batch_norm_with_update(x, weight, bias, running_mean, running_var, momentum, eps):
+    # The training-mode batch norm nn.BatchNorm uses since PyTorch 2.3; `reserve` is cuDNN's
+    # workspace, empty elsewhere.
+    out, mean, invstd = _with_update(x, weight, bias, running_mean, running_var, True,
+                                     momentum, eps)
+    return out, mean, invstd, x.new_empty((0,), dtype=torch.uint8)
+
+
+def _native_layer_norm(x, normalized_shape, weight, bias, eps):
+    # Layer norm's saved mean/rstd have the same CPU-vs-meta dtype difference.
+    out, mean, rstd = kernel_for(aten.native_layer_norm.default)(x, normalized_shape, weight,
+                                                                 bias, eps)
+    dtype = _saved_dtype(x, weight, bias)
+    return out, mean.to(dtype), rstd.to(dtype)
+
+
+# --- det / slogdet ------------------------------------------------------------------------
+
+# PyTorch factors the transpose of a contiguous real matrix for det/slogdet (det(Aᵀ) = det(A),
+# and it avoids a copy on the CPU), and the backward formulas rely on it: they solve with the
+# returned LU as that of Aᵀ. The kernels below make the same choice, then run the lowering.
+def _transposed_like_pytorch(overload):
+    kernel = kernel_for(overload)
+
+    def run(A):
+        return kernel(A.mH if A.is_contiguous() and not A.is_complex() else A)
+    return run
+
+
+# --- rrelu --------------------------------------------------------------------------------
+
+# Its training-mode kernel fills `noise` in place and returns a fresh tensor; it is composed of
+# tpu ops as PyTorch's CPU kernel computes it.
+def _rrelu_with_noise(x, noise, lower=1.0 / 8, upper=1.0 / 3, training=False, generator=None):
+    if not training:
+        return F.leaky_relu(x, (lower + upper) / 2)
+    slopes = torch.empty_like(x).uniform_(lower, upper, generator=generator)
+    slopes = torch.where(x <= 0, slopes, torch.ones_like(x))  # CPU: x <= 0 draws a slope
+    with torch.no_grad():
+        noise.copy_(slopes)
+    return x * slopes
+
+
+def register(lib):
+    kernels = {aten.native_batch_norm.default: _with_update,
+               aten._native_batch_norm_legit.default: _with_update,
+               aten._native_batch_norm_legit.no_stats: _no_stats,
+               aten._batch_norm_with_update.default: _batch_norm_with_update,
+               aten.native_layer_norm.default: _native_layer_norm,
+               aten._linalg_det.default: _transposed_like_pytorch(aten._linalg_det.default),
+               aten._linalg_slogdet.default: _transposed_like_pytorch(aten._linalg_slogdet.default),
+               aten.rrelu_with_noise.default: _rrelu_with_noise}
+    for op, kernel in kernels.items():
+        lib.impl(op, kernel, "PrivateUse1")
+    return set(kernels)
