@@ -5,7 +5,6 @@ zeros (XLA reports a failed factorization with NaNs instead of an error code), a
 return factorizations for their backward (det, slogdet, solve) return PyTorch's LU layout."""
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
-import torch
 from jax import lax
 
 from .._core.registry import HALF_TYPES, lowering
