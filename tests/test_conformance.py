@@ -131,10 +131,16 @@ OPS = {
     "nn.functional.ctc_loss": (F32, True),
 }
 
+# op -> the dtypes whose gradients are compared too: backward formulas in complex (conjugates)
+# and bfloat16 (computed in float32 and rounded once, as the CPU's kernels do).
+C64_BF16 = ("complex64", "bfloat16")
+GRAD_OPS = {"tanh": C64_BF16, "sigmoid": C64_BF16, "matmul": C64_BF16,
+            "nn.functional.gelu": ("bfloat16",), "nn.functional.mse_loss": ("bfloat16",)}
+
 
 @pytest.fixture(scope="module")
 def opinfos():
-    ops = conformance.select_ops(list(OPS))
+    ops = conformance.select_ops(list(OPS) + list(GRAD_OPS))
     return {conformance.full_name(op): op for op in ops}
 
 
@@ -152,6 +158,16 @@ def test_op_matches_cpu(name, opinfos):
             failures["grad"] = result["grad"]["first_failure"]
     if result["errors"] is not None and result["errors"]["status"] != "pass":
         failures["error_inputs"] = result["errors"]["first_failure"]
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("name", list(GRAD_OPS))
+def test_op_gradients_match_cpu_in_complex64_and_bfloat16(name, opinfos):
+    dtypes = GRAD_OPS[name]
+    result = conformance.run_op(opinfos[name], dtypes, max_samples=MAX_SAMPLES, errors=False,
+                                grad_dtypes=dtypes, timeout=120)
+    assert set(result["grads"]) == set(dtypes), "no gradient was checked"
+    failures = {d: e["first_failure"] for d, e in result["grads"].items() if e["status"] != "pass"}
     assert not failures, failures
 
 

@@ -76,7 +76,7 @@ def nextafter(x, y):
     return lax.nextafter(*jnp.broadcast_arrays(x, y))
 
 
-@lowering("aten::conj_physical.default")
+@lowering("aten::conj_physical.default", "aten::_conj_physical.default")
 def conj_physical(x):
     return jnp.conj(x)
 

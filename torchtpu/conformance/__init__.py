@@ -4,9 +4,9 @@ Every OpInfo of `torch.testing._internal.common_methods_invocations.op_db`, ever
 dtype the op supports on the CPU and every sample of `op.sample_inputs("cpu", dtype)` runs on
 `tpu` and on the CPU; results must agree in dtype, shape and value (`torch.testing.assert_close`
 with its per-dtype default tolerances).  Mutated inputs are compared too.  Differentiable
-float32 samples also compare gradients of a fixed random projection of the outputs with respect
-to every input that requires grad, and `op.error_inputs` must raise the same exception type as
-on the CPU.
+samples of the gradient dtypes (float32 by default; complex64 and bfloat16 on request) also
+compare gradients of a fixed random projection of the outputs with respect to every input that
+requires grad, and `op.error_inputs` must raise the same exception type as on the CPU.
 
 The measurement runs with `torch.tpu.enable_cpu_fallback = False`: an op without a lowering
 reports `not_implemented`.  `fallback=True` additionally re-runs those samples with the CPU
@@ -477,11 +477,13 @@ def _set_fallback(value):
 
 
 def run_op(op, dtypes=("float32",), *, max_samples=None, grad=True, errors=True,
-           fail_fast=False, timeout=120, fallback=False, seed=0):
-    """Run every sample of `op` for each of `dtypes` (names); returns a JSON-able dict."""
+           fail_fast=False, timeout=120, fallback=False, seed=0, grad_dtypes=("float32",)):
+    """Run every sample of `op` for each of `dtypes` (names); returns a JSON-able dict.
+    Gradients are compared for the `grad_dtypes` among them that the op differentiates on the
+    CPU: `result["grads"][dtype]`, and `result["grad"]` is float32's."""
     import torchtpu  # noqa: F401
     name = full_name(op)
-    result = {"op": name, "dtypes": {}, "grad": None, "errors": None, "skipped": None,
+    result = {"op": name, "dtypes": {}, "grad": None, "grads": {}, "errors": None, "skipped": None,
               "nondeterministic": name in NONDETERMINISTIC, "fallback": None, "seconds": 0.0}
     if name in SKIPPED:
         result["skipped"] = SKIPPED[name]
@@ -497,7 +499,8 @@ def run_op(op, dtypes=("float32",), *, max_samples=None, grad=True, errors=True,
             continue
         entry = _new_entry()
         result["dtypes"][dname] = entry
-        want_grad = grad and dtype == torch.float32 and op.supports_autograd
+        want_grad = (grad and dname in grad_dtypes and op.supports_autograd
+                     and dtype in op.supported_backward_dtypes("cpu"))
         gentry = _new_entry() if want_grad else None
         torch.manual_seed(seed)
         try:
@@ -538,7 +541,8 @@ def run_op(op, dtypes=("float32",), *, max_samples=None, grad=True, errors=True,
                 break
         _finish(entry)
         if gentry is not None and gentry["samples"]:
-            result["grad"] = gentry
+            result["grads"][dname] = gentry
+    result["grad"] = result["grads"].get("float32")
     if errors:
         result["errors"] = _run_error_inputs(op, timeout)
     result["fallback"] = fb
@@ -617,6 +621,7 @@ def summarize(results):
     f32 = [r["dtypes"]["float32"] for r in measured
            if "float32" in r["dtypes"] and r["dtypes"]["float32"]["status"] != "no_samples"]
     grads = [r["grad"] for r in measured if r["grad"] is not None]
+    other_grads = [e for r in measured for d, e in r.get("grads", {}).items() if d != "float32"]
     others = [e for r in measured for d, e in r["dtypes"].items()
               if d != "float32" and e["status"] != "no_samples"]
     errors = [r["errors"] for r in measured if r["errors"] is not None]
@@ -625,6 +630,7 @@ def summarize(results):
         "ops": len(results), "skipped": len(results) - len(measured), "samples": samples,
         "forward_float32": rate(f32), "grad_float32": rate(grads),
         "other_dtypes": rate(others), "error_inputs": rate(errors),
+        "grad_other_dtypes": rate(other_grads),
         "per_dtype": {d: rate(r["dtypes"][d] for r in measured
                               if d in r["dtypes"] and r["dtypes"][d]["status"] != "no_samples")
                       for d in DTYPES},

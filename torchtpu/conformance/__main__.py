@@ -18,7 +18,10 @@ def main(argv=None):
     p.add_argument("--max-samples", type=int, default=None, help="at most N samples per (op, dtype)")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (each imports torchtpu); 0 = run in this process")
     p.add_argument("--fail-fast", action="store_true", help="stop an (op, dtype) at its first failing sample")
-    p.add_argument("--no-grad", action="store_true", help="skip the float32 gradient checks")
+    p.add_argument("--no-grad", action="store_true", help="skip the gradient checks")
+    p.add_argument("--grad-dtypes", default="float32",
+                   help="comma list of the --dtypes whose gradients are compared (default float32; "
+                   "complex64 and bfloat16 also supported)")
     p.add_argument("--no-errors", action="store_true", help="skip error_inputs")
     p.add_argument("--fallback", action="store_true",
                    help="also re-run not-implemented samples with the CPU fallback and count them")
@@ -42,7 +45,8 @@ def main(argv=None):
         sys.exit(f"no OpInfo matches {args.ops!r}")
     run_kwargs = dict(dtypes=tuple(dtypes), max_samples=args.max_samples, grad=not args.no_grad,
                       errors=not args.no_errors, fail_fast=args.fail_fast, timeout=args.timeout,
-                      fallback=args.fallback)
+                      fallback=args.fallback,
+                      grad_dtypes=tuple(d.strip() for d in args.grad_dtypes.split(",") if d.strip()))
     start = time.time()
     progress = Progress(len(names), enabled=not args.quiet)
     results = run_sweep(names, run_kwargs, max(args.jobs, 0), progress)

@@ -102,7 +102,7 @@ def run_sweep(names, run_kwargs, jobs, progress):
 def _crashed(name, why):
     entry = {"status": "error", "samples": 1, "passed": 0, "first_failure": why,
              "counts": {"error": 1}}
-    return {"op": name, "dtypes": {"float32": entry}, "grad": None, "errors": None,
+    return {"op": name, "dtypes": {"float32": entry}, "grad": None, "grads": {}, "errors": None,
             "skipped": None, "nondeterministic": False, "fallback": None, "seconds": 0.0}
 
 

@@ -20,7 +20,9 @@ def _cell(entry):
 
 def _first_failure(r):
     for key, entry in [("float32", r["dtypes"].get("float32")), ("grad", r["grad"])] + \
-            [(d, e) for d, e in r["dtypes"].items() if d != "float32"] + [("errors", r["errors"])]:
+            [(d, e) for d, e in r["dtypes"].items() if d != "float32"] + \
+            [(f"grad {d}", e) for d, e in r.get("grads", {}).items() if d != "float32"] + \
+            [("errors", r["errors"])]:
         if entry and entry["status"] not in ("pass", "no_samples"):
             return f"[{key}] {entry['first_failure']}"
     return ""
@@ -52,6 +54,7 @@ def format_totals(t, command=""):
         f"float32 forward, ops passing every sample: {_rate(t['forward_float32'])}",
         f"float32 gradients, ops passing every sample: {_rate(t['grad_float32'])}",
         f"other dtypes, (op, dtype) pairs passing:   {_rate(t['other_dtypes'])}",
+        f"other gradient dtypes, (op, dtype) pairs:  {_rate(t['grad_other_dtypes'])}",
         f"error_inputs, ops raising PyTorch's errors: {_rate(t['error_inputs'])}",
         f"passing float32 ops needing PyTorch's device tolerance (atol=rtol=1e-3) for some "
         f"sample: forward {t['loose_forward_float32']}, grad {t['loose_grad_float32']}",
