@@ -14,7 +14,7 @@ import jax
 import torch
 
 from ._execution import fused
-from ._core.metrics import span  # noqa: F401  (re-exported)
+from ._core.metrics import FlushReason, span  # noqa: F401  (span: re-exported)
 
 
 @contextlib.contextmanager
@@ -24,5 +24,5 @@ def trace(log_dir, create_perfetto_trace=True):
     torch.tpu.synchronize()
     with jax.profiler.trace(str(log_dir), create_perfetto_trace=create_perfetto_trace):
         yield
-        fused.flush("synchronize")
+        fused.flush(FlushReason.SYNCHRONIZE)
         torch.tpu.synchronize()

@@ -2,11 +2,33 @@
 import atexit
 import collections
 import contextlib
+import enum
 import os
 
 import torch
 
 counters = collections.Counter()
+
+
+class FlushReason(str, enum.Enum):
+    """Why fused eager ran its pending trace (counted as `flush::<value>`)."""
+    READ = "read"                      # a storage's pending value was read
+    ITEM = "item"                      # .item(), bool(t): a value on the host
+    DEVICE_TO_HOST = "device_to_host"  # .cpu(), printing, copies to the host
+    DATA_DEPENDENT = "data_dependent"  # an op whose output shape depends on values
+    CPU_FALLBACK = "cpu_fallback"      # an op without a lowering runs on the CPU
+    SYNCHRONIZE = "synchronize"        # torch.tpu.synchronize(), the profiler
+    EVENT = "event"                    # an event records the work before it
+    COLLECTIVE = "collective"          # a torch.distributed collective
+    DEVICE_CHANGE = "device_change"    # an op on another device
+    BACKWARD = "backward"              # the autograd engine starts a backward pass
+    MAX_OPS = "max_ops"                # the trace reached TORCHTPU_FUSE_MAX_OPS
+    OPTIMIZER_STEP = "optimizer_step"  # optimizer.step() finished
+    MODE_CHANGE = "mode_change"        # leaving fused eager
+    CAPTURE = "capture"                # torch.compile takes over the ops that follow
+
+    def __str__(self):  # f"flush::{reason}" names the value on every Python version
+        return self.value
 
 
 def snapshot():

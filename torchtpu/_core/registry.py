@@ -6,11 +6,12 @@ everything else (sizes, dims, flags, dtypes) as static Python values.  It return
 outputs.  The registry derives the in-place (`add_`) and `out=` variants from the functional
 overload, so an op is written once:
 
-    @lowering("aten::add.Tensor", promote=True)
+    @lowering("aten::add.Tensor", promote=Promote.RESULT)
     def add(x, y, alpha=1):
         return x + alpha * y
 """
 import dataclasses
+import enum
 import functools
 import threading
 from typing import Callable
@@ -23,12 +24,17 @@ import torch
 TABLE = {}
 
 
+class Promote(enum.Enum):
+    """How an op's tensor inputs are cast before its lowering runs."""
+    NONE = "none"      # left as they are
+    RESULT = "result"  # to the op's first result dtype (arithmetic: add, mul, where...)
+    COMMON = "common"  # to torch.result_type of the first two tensors (comparisons)
+
+
 @dataclasses.dataclass
 class Lowering:
     fn: Callable
-    # Cast tensor inputs before calling `fn`: True = to the first output's dtype (arithmetic),
-    # "common" = to torch.result_type of the inputs (comparisons), None = leave them.
-    promote: object = None
+    promote: Promote = Promote.NONE
     # Scalar-typed arguments that must be compile-time constants (their value changes the
     # program, e.g. an integer exponent); every other Scalar is a traced argument.
     static: tuple = ()
@@ -85,6 +91,8 @@ def lowering(*names, **options):
     """Register `fn` as the lowering of each named functional overload (and its variants)."""
     def deco(fn):
         low = Lowering(fn, **options)
+        if not isinstance(low.promote, Promote):
+            raise TypeError(f"promote= takes a registry.Promote, not {low.promote!r}")
         if low.opmath:
             low.fn = in_float32(fn)
         for name in names:

@@ -15,6 +15,7 @@ import torch
 
 from . import runtime
 from .dtypes import to_jax_dtype
+from .metrics import FlushReason
 
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _set_storage = torch.ops.aten.set_.source_Storage_storage_offset._handle
@@ -105,7 +106,7 @@ class DeviceBuffer:
     def array(self):
         a = self._array
         if type(a) is Pending:
-            a.trace.flush("read")
+            a.trace.flush(FlushReason.READ)
             a = self._array
         if type(a) is Failed:
             raise RuntimeError(

@@ -27,6 +27,7 @@ from .._core import runtime, storage
 from .._core.dtypes import to_jax_dtype
 from .._execution import fused
 from .._core import metrics
+from .._core.metrics import FlushReason
 from .._execution.transfer import value_of
 from . import launch, programs
 
@@ -249,7 +250,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         return out.reshape(()) if scalar else out
 
     def _values(self, tensors):
-        fused.flush("collective")
+        fused.flush(FlushReason.COLLECTIVE)
         return [value_of(t) for t in tensors]
 
     def _route(self, tensors, who):
@@ -312,7 +313,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         return self._done(tensors, [out])
 
     def barrier(self, opts):
-        fused.flush("collective")
+        fused.flush(FlushReason.COLLECTIVE)
         one = jnp.ones((1,), jnp.int32, device=runtime.jax_device(runtime.current_device()))
         self._expect("barrier", None, torch.int32, (1,))
         out = self._run("all_reduce", "sum", one)
@@ -440,7 +441,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
                                    f"tensors on the root, got {len(ins)}")
             stacked = jnp.stack(self._values(ins))
         else:
-            fused.flush("collective")
+            fused.flush(FlushReason.COLLECTIVE)
             stacked = jnp.zeros((self._size, *out.shape), to_jax_dtype(out.dtype),
                                 device=runtime.jax_device(out.device.index))
         self._expect("scatter", opts.rootRank, out.dtype, out.shape)

@@ -6,6 +6,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .._core import metrics
+from .._core.metrics import FlushReason
 from . import fused
 from .transfer import to_host
 
@@ -18,7 +19,7 @@ def _fallback(op, *args, **kwargs):
         raise NotImplementedError(
             f"The operator '{name}' is not implemented for the tpu device. "
             "Set torch.tpu.enable_cpu_fallback = True to run it on the CPU instead.")
-    fused.flush("cpu_fallback")
+    fused.flush(FlushReason.CPU_FALLBACK)
     if name not in _warned:
         _warned.add(name)
         warnings.warn(f"torchtpu: '{name}' has no tpu lowering and runs on the CPU "

@@ -27,6 +27,7 @@ from .._core import storage
 from .._core.storage import Failed, Pending
 from . import debug, modes, sync
 from .._core import metrics
+from .._core.metrics import FlushReason
 
 max_ops = int(os.environ.get("TORCHTPU_FUSE_MAX_OPS", "2048"))
 _MAX_SEGMENTS = 512
@@ -71,11 +72,11 @@ def record(kernel, compiled, vals, buffers, scalars, device):
     tr = _trace
     if tr is None or tr.device != device:
         if tr is not None:
-            flush("device_change")
+            flush(FlushReason.DEVICE_CHANGE)
         tr = _trace = _Trace(device)
     if (_graph_task_id() >= 0) is not tr.in_backward:
         if not tr.in_backward and tr.signature and not tr.captured:
-            flush("backward")
+            flush(FlushReason.BACKWARD)
             tr = _trace = _Trace(device)
         tr.in_backward = not tr.in_backward
     # An input is either a slot produced earlier in this trace (>= 0) or an external array (< 0).
@@ -108,7 +109,7 @@ def record(kernel, compiled, vals, buffers, scalars, device):
         b._array = p
     result = kernel._returns(compiled, vals, new)
     if len(tr.signature) >= max_ops and not tr.captured:
-        flush("max_ops")
+        flush(FlushReason.MAX_OPS)
     return result
 
 
@@ -116,7 +117,7 @@ def set_mode(mode):
     """Switch the eager mode; leaving fused mode first runs what it deferred."""
     mode = modes._coerce(mode)
     if modes.fused and mode is not modes.EagerMode.DEFER_AND_FUSE:
-        flush("mode_change")
+        flush(FlushReason.MODE_CHANGE)
     modes._set(mode)
 
 
@@ -129,7 +130,7 @@ def capture(fn, device):
     """Record the ops `fn()` runs into a fresh trace that the caller takes over (it is not
     run here); returns (trace, fn's result)."""
     global _trace
-    flush("capture")
+    flush(FlushReason.CAPTURE)
     previous = modes.current
     modes._set(modes.EagerMode.DEFER_AND_FUSE)
     tr = _trace = _Trace(device)
@@ -152,6 +153,7 @@ def flush(reason):
     if tr is None:
         return
     _trace = None
+    reason = FlushReason(reason)  # one of the listed reasons, never a free string
     if tr.captured:
         raise CaptureBroken(f"the ops being captured had to run part-way ({reason})")
     counters = metrics.counters
@@ -373,7 +375,7 @@ def _commit(tr, slots):
 
 def _on_optimizer_step(optimizer, args, kwargs):
     if modes.fused:
-        flush("optimizer_step")
+        flush(FlushReason.OPTIMIZER_STEP)
 
 
 def install():

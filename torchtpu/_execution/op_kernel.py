@@ -22,6 +22,7 @@ from .._core.dtypes import to_jax_dtype, to_torch_dtype
 from .._core import registry
 from . import debug, fused, modes, overlap, strided, sync
 from .._core import metrics
+from .._core.metrics import FlushReason
 from .random import next_key_parts, key_from_parts
 
 _T, _TOPT, _TLIST, _SCALAR, _STATIC, _DEVICE, _SCALARLIST = range(7)
@@ -167,7 +168,7 @@ class OpKernel:
         if modes.fused:
             if not self.low.eager:
                 return fused.record(self, compiled, vals, buffers, scalars, device)
-            fused.flush("data_dependent")
+            fused.flush(FlushReason.DATA_DEPENDENT)
         arrays = [b.value() for b in buffers]
         if self.low.eager:
             return self._run_eager(compiled, vals, arrays, buffers, scalars, device)
@@ -333,11 +334,11 @@ class OpKernel:
         low, fargs_idx, argdefs = self.low, self.functional_args, self.args
         promote = low.promote
         promote_dtype = None
-        if promote is True and out_specs:
+        if promote is registry.Promote.RESULT and out_specs:
             promote_dtype = to_jax_dtype(out_specs[0][2])
-        elif promote is True and write_targets:
+        elif promote is registry.Promote.RESULT and write_targets:
             promote_dtype = to_jax_dtype(vals[self.writes[0]].dtype) if argdefs[self.writes[0]].kind == _T else None
-        elif promote == "common":
+        elif promote is registry.Promote.COMMON:
             tensors = [m for m in tree_flatten((pos, kw))[0] if isinstance(m, torch.Tensor)]
             promote_dtype = to_jax_dtype(torch.result_type(*tensors[:2])) if len(tensors) >= 2 else None
         n_buf = len(buffers)

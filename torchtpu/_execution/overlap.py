@@ -9,6 +9,8 @@ executable is built, and cached executables never needed them."""
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
 
+from .._core import registry
+
 _NO_OVERLAP = {"aten::cat", "aten::index_select", "aten::take", "aten::masked_select",
                "aten::gather"}
 # Ops that only refuse an output mapping several elements to one address.
@@ -28,7 +30,7 @@ def check(kernel, vals, resized):
     gathering and random ops check the outputs they are given; elementwise ops check them once
     resized (`resized`)."""
     name = kernel.overload._schema.name
-    if kernel.low.promote is True and name not in _NO_OVERLAP:
+    if kernel.low.promote is registry.Promote.RESULT and name not in _NO_OVERLAP:
         if not resized:
             return
     elif resized or name not in _NO_OVERLAP and name not in _OUTPUT_ONLY:

@@ -10,6 +10,7 @@ from .._core import runtime, storage
 from .._core.dtypes import numpy_to_tensor, tensor_to_numpy, to_jax_dtype
 from . import fused, strided
 from .._core import metrics
+from .._core.metrics import FlushReason
 from .kernels import kernel_for
 
 aten = torch.ops.aten
@@ -38,7 +39,7 @@ def value_of(t):
 
 def to_host(t):
     """A tpu tensor's value as a new contiguous CPU tensor (synchronises)."""
-    fused.flush("device_to_host")
+    fused.flush(FlushReason.DEVICE_TO_HOST)
     metrics.counters["device_to_host"] += 1
     metrics.counters["device_to_host_bytes"] += t.numel() * t.element_size()
     value = value_of(t)
@@ -97,7 +98,7 @@ def _check_no_partial_overlap(dst, src):
 
 
 def _local_scalar_dense(self):
-    fused.flush("item")
+    fused.flush(FlushReason.ITEM)
     metrics.counters["device_to_host"] += 1
     metrics.counters["device_to_host_bytes"] += self.element_size()
     return np.asarray(jax.device_get(value_of(self))).reshape(()).item()

@@ -15,6 +15,7 @@ import time
 import torch
 
 from .._core import runtime
+from .._core.metrics import FlushReason
 
 
 def _index(device):
@@ -78,7 +79,7 @@ class Event:
 
     def record(self, stream=None):
         from .._execution import fused, sync
-        fused.flush("event")
+        fused.flush(FlushReason.EVENT)
         self._arrays = sync.pending()
         self._done_at = None
         if self.enable_timing:

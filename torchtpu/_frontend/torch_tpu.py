@@ -7,6 +7,7 @@ import types
 import torch
 
 from .._core import runtime, storage
+from .._core.metrics import FlushReason
 from .._execution import fused as _fused
 from .._execution import modes as _modes
 from .._execution import random as _random
@@ -103,7 +104,7 @@ class device_of(device):
 def synchronize(device=None):
     """Run any deferred (fused) ops, then wait until every queued op on the device has finished."""
     from .._execution import fused, sync
-    fused.flush("synchronize")
+    fused.flush(FlushReason.SYNCHRONIZE)
     sync.synchronize(None if device is None else _index(device))
 
 

@@ -8,7 +8,7 @@ import torch
 from jax import lax
 
 from .nn import round_to
-from .._core.registry import HALF_TYPES, lowering
+from .._core.registry import HALF_TYPES, Promote, lowering
 from .._core.runtime import jax_precision as _precision
 
 
@@ -107,7 +107,7 @@ def _slow_transposed(x, w, bias, stride, padding, dilation, output_padding, grou
     return acc
 
 
-@lowering("aten::convolution.default", promote=True, precision=True)
+@lowering("aten::convolution.default", promote=Promote.RESULT, precision=True)
 def convolution(x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
     nd = x.ndim - 2
     if (transposed and x.dtype in HALF_TYPES and x.size and w.size

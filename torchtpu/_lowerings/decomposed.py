@@ -21,7 +21,7 @@ from jax import lax
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .._core.dtypes import to_jax_dtype, to_torch_dtype
-from .._core.registry import TABLE, lowering
+from .._core.registry import TABLE, Promote, lowering
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -222,12 +222,12 @@ def _call_lowering(node, target, args, kwargs):
     vals = _bind(target._schema, args, kwargs)
     kinds = [str(a.type) for a in schema.arguments if not a.is_out]
     out_meta = _meta_of(node)
-    promote = low.promote if target.namespace == "aten" else None
+    promote = low.promote if target.namespace == "aten" else Promote.NONE
     dtype = None
-    if promote is True:
+    if promote is Promote.RESULT:
         first = out_meta[0] if isinstance(out_meta, (tuple, list)) else out_meta
         dtype = to_jax_dtype(first.dtype) if isinstance(first, torch.Tensor) else None
-    elif promote == "common":
+    elif promote is Promote.COMMON:
         # Plain meta stand-ins (the graph's values belong to its own fake mode).
         metas = [torch.empty((1,) if m.dim() else (), dtype=m.dtype, device="meta")
                  for m in (_meta_of(a) for a in tree_flatten((node.args, node.kwargs))[0])

@@ -2,7 +2,7 @@
 import jax.numpy as jnp
 from jax import lax
 
-from .._core.registry import HALF_TYPES, lowering
+from .._core.registry import HALF_TYPES, Promote, lowering
 from .._core.runtime import jax_precision as _precision
 
 
@@ -24,27 +24,27 @@ def _scaled_sum(bias, product, beta, alpha):
     return jnp.where(beta == 0, 0, beta * bias) + alpha * product
 
 
-@lowering("aten::mm.default", promote=True, precision=True)
+@lowering("aten::mm.default", promote=Promote.RESULT, precision=True)
 def mm(a, b):
     return _matmul(a, b)
 
 
-@lowering("aten::bmm.default", promote=True, precision=True)
+@lowering("aten::bmm.default", promote=Promote.RESULT, precision=True)
 def bmm(a, b):
     return _matmul(a, b)
 
 
-@lowering("aten::addmm.default", promote=True, precision=True)
+@lowering("aten::addmm.default", promote=Promote.RESULT, precision=True)
 def addmm(bias, a, b, beta=1, alpha=1):
     return _scaled_sum(bias, _matmul(a, b), beta, alpha)
 
 
-@lowering("aten::baddbmm.default", promote=True, precision=True)
+@lowering("aten::baddbmm.default", promote=Promote.RESULT, precision=True)
 def baddbmm(bias, a, b, beta=1, alpha=1):
     return _scaled_sum(bias, _matmul(a, b), beta, alpha)
 
 
-@lowering("aten::addbmm.default", promote=True, precision=True)
+@lowering("aten::addbmm.default", promote=Promote.RESULT, precision=True)
 def addbmm(bias, a, b, beta=1, alpha=1):
     if a.dtype not in HALF_TYPES or a.shape[0] == 0:
         return _scaled_sum(bias, jnp.sum(_matmul(a, b), axis=0), beta, alpha)
@@ -57,27 +57,27 @@ def addbmm(bias, a, b, beta=1, alpha=1):
     return lax.scan(add_batch, first, (a[1:], b[1:]))[0]
 
 
-@lowering("aten::mv.default", promote=True, precision=True)
+@lowering("aten::mv.default", promote=Promote.RESULT, precision=True)
 def mv(a, v):
     return _matmul(a, v)
 
 
-@lowering("aten::dot.default", promote=True, precision=True)
+@lowering("aten::dot.default", promote=Promote.RESULT, precision=True)
 def dot(a, b):
     return jnp.dot(a, b, precision=_precision())
 
 
-@lowering("aten::vdot.default", promote=True, precision=True)
+@lowering("aten::vdot.default", promote=Promote.RESULT, precision=True)
 def vdot(a, b):
     return jnp.dot(jnp.conj(a), b, precision=_precision())  # the first argument conjugated
 
 
-@lowering("aten::addmv.default", promote=True, precision=True)
+@lowering("aten::addmv.default", promote=Promote.RESULT, precision=True)
 def addmv(bias, a, v, beta=1, alpha=1):
     return _scaled_sum(bias, _matmul(a, v), beta, alpha)
 
 
-@lowering("aten::addr.default", promote=True)
+@lowering("aten::addr.default", promote=Promote.RESULT)
 def addr(bias, v1, v2, beta=1, alpha=1):
     # PyTorch's CPU kernel: beta * bias + (alpha * v1) * v2 elementwise, with alpha and beta
     # first converted to the tensors' dtype and, for half types, every step rounded to it.
@@ -93,7 +93,7 @@ def addr(bias, v1, v2, beta=1, alpha=1):
     return jnp.where(beta == 0, prod, beta * bias + prod)
 
 
-@lowering("aten::linalg_cross.default", promote=True)
+@lowering("aten::linalg_cross.default", promote=Promote.RESULT)
 def linalg_cross(a, b, dim=-1):
     # Written out as PyTorch's CPU kernel computes it: half types round after every product
     # and difference (PyTorch's reference decomposition computes in float32 instead).

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from .._core.registry import HALF_TYPES, lowering
+from .._core.registry import HALF_TYPES, Promote, lowering
 
 
 def _float(x):
@@ -69,12 +69,12 @@ def relu(x):
     return jnp.maximum(x, 0)
 
 
-@lowering("aten::threshold.default", promote=True)
+@lowering("aten::threshold.default", promote=Promote.RESULT)
 def threshold(x, threshold, value):
     return jnp.where(x <= threshold, value, x)
 
 
-@lowering("aten::threshold_backward.default", promote=True)
+@lowering("aten::threshold_backward.default", promote=Promote.RESULT)
 def threshold_backward(grad, x, threshold):
     return jnp.where(x <= threshold, 0, grad)
 

@@ -4,37 +4,37 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._core.registry import lowering
+from .._core.registry import Promote, lowering
 
 # --- arithmetic ----------------------------------------------------------------------------
 
 
-@lowering("aten::add.Tensor", "aten::add.Scalar", promote=True)
+@lowering("aten::add.Tensor", "aten::add.Scalar", promote=Promote.RESULT)
 def add(x, y, alpha=1):
     return x + alpha * y
 
 
-@lowering("aten::sub.Tensor", "aten::sub.Scalar", promote=True)
+@lowering("aten::sub.Tensor", "aten::sub.Scalar", promote=Promote.RESULT)
 def sub(x, y, alpha=1):
     return x - alpha * y
 
 
-@lowering("aten::rsub.Tensor", "aten::rsub.Scalar", promote=True)
+@lowering("aten::rsub.Tensor", "aten::rsub.Scalar", promote=Promote.RESULT)
 def rsub(x, y, alpha=1):
     return y - alpha * x
 
 
-@lowering("aten::mul.Tensor", "aten::mul.Scalar", promote=True)
+@lowering("aten::mul.Tensor", "aten::mul.Scalar", promote=Promote.RESULT)
 def mul(x, y):
     return x * y
 
 
-@lowering("aten::div.Tensor", "aten::div.Scalar", promote=True)
+@lowering("aten::div.Tensor", "aten::div.Scalar", promote=Promote.RESULT)
 def div(x, y):
     return x / y
 
 
-@lowering("aten::div.Tensor_mode", "aten::div.Scalar_mode", promote=True)
+@lowering("aten::div.Tensor_mode", "aten::div.Scalar_mode", promote=Promote.RESULT)
 def div_mode(x, y, rounding_mode=None):
     if rounding_mode is None:
         return x / y
@@ -48,17 +48,17 @@ def div_mode(x, y, rounding_mode=None):
     return jnp.floor(q) if rounding_mode == "floor" else jnp.trunc(q)
 
 
-@lowering("aten::remainder.Tensor", "aten::remainder.Scalar", promote=True)
+@lowering("aten::remainder.Tensor", "aten::remainder.Scalar", promote=Promote.RESULT)
 def remainder(x, y):
     return jnp.remainder(x, y)
 
 
-@lowering("aten::fmod.Tensor", "aten::fmod.Scalar", promote=True)
+@lowering("aten::fmod.Tensor", "aten::fmod.Scalar", promote=Promote.RESULT)
 def fmod(x, y):
     return jnp.fmod(x, y)
 
 
-@lowering("aten::pow.Tensor_Tensor", "aten::pow.Tensor_Scalar", "aten::pow.Scalar", promote=True)
+@lowering("aten::pow.Tensor_Tensor", "aten::pow.Tensor_Scalar", "aten::pow.Scalar", promote=Promote.RESULT)
 def pow_(x, y):
     if all(jnp.issubdtype(jnp.asarray(v).dtype, jnp.integer) for v in (x, y)):
         return _int_pow(x, y)
@@ -84,12 +84,12 @@ def _int_pow(x, y):
     return jnp.where(y < 0, at_negative, result)
 
 
-@lowering("aten::neg.default", promote=True)
+@lowering("aten::neg.default", promote=Promote.RESULT)
 def neg(x):
     return -x
 
 
-@lowering("aten::reciprocal.default", promote=True)
+@lowering("aten::reciprocal.default", promote=Promote.RESULT)
 def reciprocal(x):
     return 1 / x
 
@@ -109,17 +109,17 @@ def sgn(x):
     return sign(x)
 
 
-@lowering("aten::maximum.default", promote=True)
+@lowering("aten::maximum.default", promote=Promote.RESULT)
 def maximum(x, y):
     return jnp.maximum(x, y)
 
 
-@lowering("aten::minimum.default", promote=True)
+@lowering("aten::minimum.default", promote=Promote.RESULT)
 def minimum(x, y):
     return jnp.minimum(x, y)
 
 
-@lowering("aten::clamp.default", "aten::clamp.Tensor", promote=True)
+@lowering("aten::clamp.default", "aten::clamp.Tensor", promote=Promote.RESULT)
 def clamp(x, lo=None, hi=None):
     if lo is not None:
         x = jnp.maximum(x, lo)
@@ -128,27 +128,27 @@ def clamp(x, lo=None, hi=None):
     return x
 
 
-@lowering("aten::clamp_min.default", "aten::clamp_min.Tensor", promote=True)
+@lowering("aten::clamp_min.default", "aten::clamp_min.Tensor", promote=Promote.RESULT)
 def clamp_min(x, lo):
     return jnp.maximum(x, lo)
 
 
-@lowering("aten::clamp_max.default", "aten::clamp_max.Tensor", promote=True)
+@lowering("aten::clamp_max.default", "aten::clamp_max.Tensor", promote=Promote.RESULT)
 def clamp_max(x, hi):
     return jnp.minimum(x, hi)
 
 
-@lowering("aten::addcmul.default", promote=True, opmath=True)
+@lowering("aten::addcmul.default", promote=Promote.RESULT, opmath=True)
 def addcmul(x, a, b, value=1):
     return x + value * a * b
 
 
-@lowering("aten::addcdiv.default", promote=True, opmath=True)
+@lowering("aten::addcdiv.default", promote=Promote.RESULT, opmath=True)
 def addcdiv(x, a, b, value=1):
     return x + value * a / b
 
 
-@lowering("aten::lerp.Scalar", "aten::lerp.Tensor", promote=True, opmath=True)
+@lowering("aten::lerp.Scalar", "aten::lerp.Tensor", promote=Promote.RESULT, opmath=True)
 def lerp(x, end, weight):
     # PyTorch's formula: exact at weight 0 and 1 from either side.
     return jnp.where(jnp.abs(weight) < 0.5, x + weight * (end - x), end - (end - x) * (1 - weight))
@@ -159,7 +159,7 @@ def lerp(x, end, weight):
 # square, isfinite, silu_backward and where's Scalar overloads are CompositeImplicitAutograd in
 # PyTorch: they decompose into these, so they need no lowering of their own.
 def _unary(name, fn):
-    lowering(f"aten::{name}.default", promote=True, opmath=True)(fn)
+    lowering(f"aten::{name}.default", promote=Promote.RESULT, opmath=True)(fn)
 
 
 def digamma(x):
@@ -182,22 +182,22 @@ for _name, _fn in {
     _unary(_name, _fn)
 
 
-@lowering("aten::round.decimals", promote=True)
+@lowering("aten::round.decimals", promote=Promote.RESULT)
 def round_decimals(x, decimals=0):
     return jnp.round(x, decimals)
 
 
-@lowering("aten::atan2.default", promote=True)
+@lowering("aten::atan2.default", promote=Promote.RESULT)
 def atan2(x, y):
     return jnp.arctan2(x, y)
 
 
-@lowering("aten::hypot.default", promote=True)
+@lowering("aten::hypot.default", promote=Promote.RESULT)
 def hypot(x, y):
     return jnp.hypot(x, y)
 
 
-@lowering("aten::logaddexp.default", promote=True, opmath=True)
+@lowering("aten::logaddexp.default", promote=Promote.RESULT, opmath=True)
 def logaddexp(x, y):
     if jnp.iscomplexobj(x):
         return complex_logaddexp(x, y)
@@ -217,7 +217,7 @@ def complex_logaddexp(x, y):
     return jnp.where(nan, jnp.array(complex(jnp.nan, jnp.nan), x.dtype), result)
 
 
-@lowering("aten::xlogy.Tensor", promote=True)
+@lowering("aten::xlogy.Tensor", promote=Promote.RESULT)
 def xlogy(x, y):
     return jax.scipy.special.xlogy(x, y)
 
@@ -226,7 +226,7 @@ def xlogy(x, y):
 
 for _name, _fn in {"eq": jnp.equal, "ne": jnp.not_equal, "lt": jnp.less, "le": jnp.less_equal,
                    "gt": jnp.greater, "ge": jnp.greater_equal}.items():
-    lowering(f"aten::{_name}.Tensor", f"aten::{_name}.Scalar", promote="common")(_fn)
+    lowering(f"aten::{_name}.Tensor", f"aten::{_name}.Scalar", promote=Promote.COMMON)(_fn)
 
 
 @lowering("aten::logical_not.default")
@@ -256,7 +256,7 @@ def bitwise_not(x):
 
 for _name, _fn in {"bitwise_and": jnp.bitwise_and, "bitwise_or": jnp.bitwise_or,
                    "bitwise_xor": jnp.bitwise_xor}.items():
-    lowering(f"aten::{_name}.Tensor", f"aten::{_name}.Scalar", promote=True)(_fn)
+    lowering(f"aten::{_name}.Tensor", f"aten::{_name}.Scalar", promote=Promote.RESULT)(_fn)
 
 
 @lowering("aten::isnan.default")
@@ -289,7 +289,7 @@ def nan_to_num(x, nan=None, posinf=None, neginf=None):
     return jnp.nan_to_num(x, nan=0.0 if nan is None else nan, posinf=posinf, neginf=neginf)
 
 
-@lowering("aten::where.self", promote=None)
+@lowering("aten::where.self", promote=Promote.NONE)
 def where(cond, x, y):
     return jnp.where(cond, x, y)
 
@@ -322,17 +322,17 @@ def masked_fill(x, mask, value):
     return jnp.where(mask, jnp.asarray(value).astype(x.dtype), x)
 
 
-@lowering("aten::fmax.default", promote=True)
+@lowering("aten::fmax.default", promote=Promote.RESULT)
 def fmax(a, b):
     return jnp.fmax(a, b)
 
 
-@lowering("aten::fmin.default", promote=True)
+@lowering("aten::fmin.default", promote=Promote.RESULT)
 def fmin(a, b):
     return jnp.fmin(a, b)
 
 
-@lowering("aten::copysign.Scalar", promote=True)
+@lowering("aten::copysign.Scalar", promote=Promote.RESULT)
 def copysign_scalar(a, b):
     return jnp.copysign(a, jnp.asarray(b, a.dtype))
 
@@ -358,12 +358,12 @@ def hardshrink_backward(grad, x, lambd):
     return jnp.where(jnp.abs(x) > lambd, grad, 0).astype(x.dtype)
 
 
-@lowering("aten::gcd.default", promote=True)
+@lowering("aten::gcd.default", promote=Promote.RESULT)
 def gcd(x, y):
     return jnp.gcd(x, y)
 
 
-@lowering("aten::lcm.default", promote=True)
+@lowering("aten::lcm.default", promote=Promote.RESULT)
 def lcm(x, y):
     return jnp.lcm(x, y)
 

@@ -4,7 +4,7 @@ so results agree with the CPU's. `n` is truncated to an integer per element; n <
 import jax.numpy as jnp
 from jax import lax
 
-from .._core.registry import lowering
+from .._core.registry import Promote, lowering
 
 
 def _recur(x, n, p0, p1, step):
@@ -119,5 +119,5 @@ _POLYNOMIALS = {
 
 for _name, _fn in _POLYNOMIALS.items():
     lowering(f"aten::special_{_name}.default", f"aten::special_{_name}.x_scalar",
-             f"aten::special_{_name}.n_scalar", promote=True)(
+             f"aten::special_{_name}.n_scalar", promote=Promote.RESULT)(
         lambda x, n, _fn=_fn: _fn(jnp.asarray(x), jnp.asarray(n)))

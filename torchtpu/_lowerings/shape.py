@@ -2,7 +2,7 @@
 import jax
 import jax.numpy as jnp
 
-from .._core.registry import lowering
+from .._core.registry import Promote, lowering
 
 
 def _check_cat(tensors, dim=0):
@@ -11,7 +11,7 @@ def _check_cat(tensors, dim=0):
             raise RuntimeError(f"zero-dimensional tensor (at position {i}) cannot be concatenated")
 
 
-@lowering("aten::cat.default", promote=True, validate=_check_cat)
+@lowering("aten::cat.default", promote=Promote.RESULT, validate=_check_cat)
 def cat(tensors, dim=0):
     tensors = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0)] or tensors[:1]
     return jnp.concatenate(tensors, axis=dim)
@@ -32,7 +32,7 @@ def narrow_copy(x, dim, start, length):
     return jax.lax.slice_in_dim(x, start, start + length, axis=dim)
 
 
-@lowering("aten::stack.default", promote=True)
+@lowering("aten::stack.default", promote=Promote.RESULT)
 def stack(tensors, dim=0):
     return jnp.stack(tensors, axis=dim)
 

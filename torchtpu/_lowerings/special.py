@@ -8,11 +8,11 @@ import jax.scipy.special as jss
 from jax import lax
 
 from .pointwise import digamma
-from .._core.registry import lowering
+from .._core.registry import Promote, lowering
 
 
 def _unary(name, fn):
-    lowering(f"aten::{name}.default", promote=True, opmath=True)(fn)
+    lowering(f"aten::{name}.default", promote=Promote.RESULT, opmath=True)(fn)
 
 
 for _name, _fn in {
@@ -23,14 +23,14 @@ for _name, _fn in {
     _unary(_name, _fn)
 
 
-@lowering("aten::sinc.default", promote=True, opmath=True)
+@lowering("aten::sinc.default", promote=Promote.RESULT, opmath=True)
 def sinc(x):
     px = jnp.pi * x
     safe = jnp.where(x == 0, 1, px)
     return jnp.where(x == 0, jnp.ones_like(x), jnp.sin(safe) / safe)
 
 
-@lowering("aten::logit.default", promote=True)
+@lowering("aten::logit.default", promote=Promote.RESULT)
 def logit(x, eps=None):
     if eps is not None:
         x = jnp.clip(x, eps, 1 - eps)
@@ -38,40 +38,40 @@ def logit(x, eps=None):
 
 
 @lowering("aten::special_xlog1py.default", "aten::special_xlog1py.self_scalar",
-          "aten::special_xlog1py.other_scalar", promote=True, opmath=True)
+          "aten::special_xlog1py.other_scalar", promote=Promote.RESULT, opmath=True)
 def xlog1py(x, y):
     return jss.xlog1py(x, y)
 
 
-@lowering("aten::xlogy.Scalar_Self", "aten::xlogy.Scalar_Other", promote=True)
+@lowering("aten::xlogy.Scalar_Self", "aten::xlogy.Scalar_Other", promote=Promote.RESULT)
 def xlogy_scalar(x, y):
     return jss.xlogy(x, y)
 
 
 @lowering("aten::special_zeta.default", "aten::special_zeta.self_scalar",
-          "aten::special_zeta.other_scalar", promote=True, opmath=True)
+          "aten::special_zeta.other_scalar", promote=Promote.RESULT, opmath=True)
 def zeta(x, q):
     # Hurwitz zeta; PyTorch gives inf at x == 1 and nan for x < 1.
     r = jss.zeta(x, q)
     return jnp.where(x == 1, jnp.inf, jnp.where(x < 1, jnp.nan, r))
 
 
-@lowering("aten::igamma.default", promote=True, opmath=True)
+@lowering("aten::igamma.default", promote=Promote.RESULT, opmath=True)
 def igamma(a, x):
     return jss.gammainc(a, x)
 
 
-@lowering("aten::igammac.default", promote=True, opmath=True)
+@lowering("aten::igammac.default", promote=Promote.RESULT, opmath=True)
 def igammac(a, x):
     return jss.gammaincc(a, x)
 
 
-@lowering("aten::mvlgamma.default", promote=True, opmath=True)
+@lowering("aten::mvlgamma.default", promote=Promote.RESULT, opmath=True)
 def mvlgamma(x, p):
     return jss.multigammaln(x, p)
 
 
-@lowering("aten::nextafter.default", promote=True)
+@lowering("aten::nextafter.default", promote=Promote.RESULT)
 def nextafter(x, y):
     return lax.nextafter(*jnp.broadcast_arrays(x, y))
 
@@ -81,7 +81,7 @@ def conj_physical(x):
     return jnp.conj(x)
 
 
-@lowering("aten::polygamma.default", promote=True, opmath=True)
+@lowering("aten::polygamma.default", promote=Promote.RESULT, opmath=True)
 def polygamma(n, x):
     if n == 0:
         return digamma(x)
