@@ -33,13 +33,8 @@ def _install_kernels():
     from ._frontend import autocast, patches
     autocast.register(lib, fallback_lib)
     patches.install()
-    from ._core import storage
-    from ._frontend import current
-    storage.install()
-    current.install()
     fused.install()
-    from ._compile import backend, cache
-    backend.register()
+    from ._compile import cache
     cache.enable()
     from . import _distributed
     _distributed.register()

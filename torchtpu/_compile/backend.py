@@ -72,21 +72,15 @@ def _has_tpu_tensor(inputs):
     return any(isinstance(x, torch.Tensor) and x.device.type == "tpu" for x in inputs)
 
 
-def _route_default_backend():
+def routed_to_tpu(original):
     """`torch.compile(model)` uses inductor, which cannot generate code for this device:
-    graphs whose inputs live on tpu go to the tpu backend instead."""
-    wrapper = torch._TorchCompileInductorWrapper
-    if getattr(wrapper, "_torchtpu_routed", False):
-        return
-    original = wrapper.__call__
-
+    graphs whose inputs live on tpu go to the tpu backend instead (the replacement of
+    `torch._TorchCompileInductorWrapper.__call__`)."""
     def __call__(self, model_, inputs_):
         if _has_tpu_tensor(inputs_):
             return tpu_backend(model_, inputs_)
         return original(self, model_, inputs_)
-
-    wrapper.__call__ = __call__
-    wrapper._torchtpu_routed = True
+    return __call__
 
 
 _skipping = [False]
@@ -136,23 +130,12 @@ def _capturable_optimizers_on_tpu():
     OptimizerVariable._set_capturable = _set_capturable
 
 
-def _hook_compile():
-    compile_ = torch.compile
-    if getattr(compile_, "_torchtpu_hooked", False):
-        return
-
+def skipping_own_frames(compile_):
+    """`torch.compile` that first runs `skip_own_frames()`.  Dynamo finds the "tpu" backend
+    through this package's `torch_dynamo_backends` entry point, so importing torchtpu does not
+    import Dynamo; its settings are made by the first torch.compile call."""
     @functools.wraps(compile_)
     def compile(*args, **kwargs):
         skip_own_frames()
         return compile_(*args, **kwargs)
-
-    compile._torchtpu_hooked = True
-    torch.compile = compile
-
-
-def register():
-    """Dynamo finds the "tpu" backend through this package's `torch_dynamo_backends` entry
-    point, so importing torchtpu does not import Dynamo; only the default-backend routing and
-    the frame-skipping hook (run by the first torch.compile call) are installed here."""
-    _route_default_backend()
-    _hook_compile()
+    return compile

@@ -306,7 +306,3 @@ def resize_storage(storage, nbytes):
     if storage.device.type != "tpu":
         return _resize_(storage, nbytes)
     return _resize_bytes(storage, nbytes)
-
-
-def install():
-    torch.UntypedStorage.resize_ = resize_storage

@@ -23,7 +23,7 @@ def _indexed(device):
     return device
 
 
-def _to(self, *args, **kwargs):
+def tensor_to(self, *args, **kwargs):
     if runtime._current[0]:  # device 0 is what PyTorch assumes already
         if args:
             args = (_indexed(args[0]),) + args[1:]
@@ -32,7 +32,7 @@ def _to(self, *args, **kwargs):
     return _tensor_to(self, *args, **kwargs)
 
 
-def _current_device_index():
+def current_device_index():
     if torch._C._accelerator_getAccelerator() == torch.device("tpu"):
         return runtime.current_device()
     return torch._C._accelerator_getDeviceIndex()
@@ -41,15 +41,10 @@ def _current_device_index():
 _set_device_index = torch.accelerator.set_device_index
 
 
-def _set_index(device, /):
+def set_device_index(device, /):
     if torch._C._accelerator_getAccelerator() == torch.device("tpu"):
         return torch.tpu.set_device(device)
     return _set_device_index(device)
 
 
-def install():
-    _to.__doc__ = _tensor_to.__doc__
-    torch.Tensor.to = _to
-    acc = torch.accelerator
-    acc.current_device_index = acc.current_device_idx = _current_device_index
-    acc.set_device_index = acc.set_device_idx = _set_index
+tensor_to.__doc__ = _tensor_to.__doc__

@@ -1,15 +1,92 @@
-"""Keeping tied parameters tied when a module moves to tpu.
-
-`module.to(device)` changes a parameter in place (`param.data = ...`) only when PyTorch deems
-the old and new tensors "shallow-copy compatible", which it decides by a fixed list of
-backends that leaves out PrivateUse1; otherwise each module gets a new Parameter, so weights
-shared between modules (a language model's embedding and output projection) would silently
-become two independent copies. After a conversion, modules that shared one Parameter share
-the converted one again, as they do on CUDA."""
+"""Every patch torchtpu makes to PyTorch's and JAX's globals: what, why, where it is applied,
+and the torch versions it was checked on.  `install()` applies the ones made at import; the
+others are applied where the table says, for the reason given there.  A new patch is one more
+entry here (tests/test_layers.py fails on an assignment to a torch or jax global elsewhere)."""
+import dataclasses
 import threading
 
 import torch
 
+from .._compile import backend
+from .._core import storage
+from . import current
+
+CHECKED_ON = ("2.13",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    target: str
+    why: str
+    where: str = "patches.install(), at import"
+    checked_on: tuple = CHECKED_ON
+
+
+_SET_DEVICE = ("PyTorch's device guard for Python backends always answers device 0, so "
+               "torch.tpu.set_device(local_rank) (torchrun's layout) would be ignored")
+_DYNAMO = "_compile/backend.skip_own_frames(), at the first compilation for tpu (imports Dynamo)"
+
+PATCHES = [
+    Patch("torch.nn.Module._apply",
+          "module.to('tpu') gives each module a new Parameter (PyTorch's list of 'shallow-copy "
+          "compatible' backends leaves out PrivateUse1), untying shared weights; the ties are "
+          "restored as on CUDA"),
+    Patch("torch.Tensor.to", "an index-less 'tpu' means the current device: " + _SET_DEVICE),
+    Patch("torch.accelerator.current_device_index, current_device_idx", _SET_DEVICE),
+    Patch("torch.accelerator.set_device_index, set_device_idx", _SET_DEVICE),
+    Patch("torch.UntypedStorage.resize_",
+          "PyTorch resizes a PrivateUse1 storage through a C++ hook Python cannot provide; "
+          "FSDP2 frees and re-creates parameters with resize_(0) / resize_(n)"),
+    Patch("torch.compile",
+          "the first call makes Dynamo skip torchtpu's and JAX's frames, so importing "
+          "torchtpu does not import Dynamo"),
+    Patch("torch._TorchCompileInductorWrapper.__call__",
+          "torch.compile's default backend (inductor) cannot generate code for tpu: graphs "
+          "with tpu inputs go to the tpu backend"),
+    Patch("torch._dynamo.trace_rules.SKIP_DIRS",
+          "torchtpu's layers and JAX run below the dispatcher: Dynamo must not trace them",
+          _DYNAMO),
+    Patch("torch._dynamo.variables.optimizer.OptimizerVariable._set_capturable",
+          "Dynamo compiles capturable optimizer steps only for CUDA/XPU parameters; on the "
+          "host `step` would split every compiled step", _DYNAMO),
+    Patch("jax.config jax_enable_x64",
+          "int64 (PyTorch's index type) and float64 would silently narrow",
+          "_core/runtime.py, at import: before any array exists"),
+    Patch("jax.config jax_cpu_collectives_implementation",
+          "cross-process collectives on the CPU run on gloo",
+          "_distributed/launch.py, before jax.distributed.initialize"),
+    Patch("jax.config jax_compilation_cache_dir, jax_persistent_cache_min_compile_time_secs",
+          "the persistent executable cache", "_compile/cache.enable(), at import"),
+    Patch("torch.tpu's module class", "torch.tpu.eager_mode reads and assigns like an attribute",
+          "_frontend/torch_tpu.py, at import"),
+    Patch("torch.optim's global optimizer step post hook",
+          "fused eager runs its trace when optimizer.step() returns",
+          "_execution/fused.install(), at import"),
+]
+
+
+def _replace(owner, name, new):
+    """`owner.name = new` once per process (a second import leaves the first patch)."""
+    if not getattr(getattr(owner, name), "_torchtpu_patch", False):
+        new._torchtpu_patch = True
+        setattr(owner, name, new)
+
+
+def install():
+    acc = torch.accelerator
+    _replace(torch.nn.Module, "_apply", _keeping_ties(torch.nn.Module._apply))
+    _replace(torch.Tensor, "to", current.tensor_to)
+    for name in ("current_device_index", "current_device_idx"):
+        _replace(acc, name, current.current_device_index)
+    for name in ("set_device_index", "set_device_idx"):
+        _replace(acc, name, current.set_device_index)
+    _replace(torch.UntypedStorage, "resize_", storage.resize_storage)
+    _replace(torch, "compile", backend.skipping_own_frames(torch.compile))
+    wrapper = torch._TorchCompileInductorWrapper
+    _replace(wrapper, "__call__", backend.routed_to_tpu(wrapper.__call__))
+
+
+# --- nn.Module._apply: keeping tied parameters tied ------------------------------------------
 _depth = threading.local()
 
 
@@ -22,11 +99,8 @@ def _tied_groups(module):
     return [group for group in places.values() if len(group) > 1]
 
 
-def install():
-    original = torch.nn.Module._apply
-    if getattr(original, "_torchtpu", False):
-        return
-
+def _keeping_ties(original):
+    """After a conversion, modules that shared one Parameter share the converted one again."""
     def _apply(self, fn, recurse=True):
         outermost = not getattr(_depth, "active", False)
         if not outermost:
@@ -44,6 +118,4 @@ def install():
                 for mod, name in group[1:]:
                     mod._parameters[name] = shared
         return result
-
-    _apply._torchtpu = True
-    torch.nn.Module._apply = _apply
+    return _apply
