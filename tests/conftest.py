@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-import torchtpu  # noqa: F401
+import torchtpu
 
 # The suites that must pass in every eager mode. The default run covers strict and fused;
 # TORCHTPU_TEST_MODES=strict,fused,debug (or =debug) selects others.
@@ -33,10 +33,24 @@ def _seed():
     yield
 
 
-def assert_same(tpu, cpu, rtol=1.3e-6, atol=1e-5):
-    """Values, dtype, shape and strides of a tpu result equal the CPU reference."""
+def assert_same(tpu, cpu, rtol=None, atol=None, strides=True):
+    """A tpu result (a tensor or a sequence of them) equals the CPU reference: device, dtype,
+    shape, strides (unless `strides=False`) and values, within assert_close's tolerance for
+    the dtype unless `rtol`/`atol` are given (exact for integers)."""
+    if isinstance(tpu, (tuple, list)):
+        assert isinstance(cpu, (tuple, list)) and len(tpu) == len(cpu), (len(tpu), cpu)
+        for t, c in zip(tpu, cpu):
+            assert_same(t, c, rtol, atol, strides)
+        return
     assert tpu.device.type == "tpu", tpu.device
     assert tpu.dtype == cpu.dtype, (tpu.dtype, cpu.dtype)
     assert tpu.shape == cpu.shape, (tpu.shape, cpu.shape)
-    assert tpu.stride() == cpu.stride(), (tpu.stride(), cpu.stride())
+    if strides:
+        assert tpu.stride() == cpu.stride(), (tpu.stride(), cpu.stride())
     torch.testing.assert_close(tpu.cpu(), cpu, rtol=rtol, atol=atol, equal_nan=True)
+
+
+def counts(*names):
+    """The metrics counters `names` (0 when never counted)."""
+    m = torchtpu.metrics()
+    return tuple(m.get(n, 0) for n in names)

@@ -2,11 +2,15 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
+import jax
 import pytest
 import torch
 
 import torchtpu
+from torchtpu._core import storage
+from torchtpu._execution import fused
 
 
 def run_python(code, env=None):
@@ -125,12 +129,21 @@ def test_precision_follows_torch_setting():
     torch.testing.assert_close((a.tpu() @ a.tpu()).cpu(), a @ a, rtol=1e-5, atol=1e-4)
 
 
-def test_synchronize_waits():
-    x = torch.randn(128, 128, device="tpu")
-    for _ in range(10):
-        x = x @ x / 128
-    torch.tpu.synchronize()
-    torch.tpu.synchronize(0)
+def _ready(t):
+    """The tensor's value is computed: not deferred (fused), not still running (async)."""
+    a = storage.buffer_of(t)._array
+    return isinstance(a, jax.Array) and a.is_ready()
+
+
+@pytest.mark.parametrize("mode", ["DEFER_NEVER", "DEFER_AND_FUSE"])
+@pytest.mark.parametrize("device", [None, 0])
+def test_synchronize_waits(mode, device):
+    with torch.tpu.set_eager_mode(mode):
+        x = torch.randn(256, 256, device="tpu")
+        for _ in range(10):
+            x = x @ x / 256
+        torch.tpu.synchronize(device)
+        assert fused.pending_ops() == 0 and _ready(x)
 
 
 def test_info_command():
@@ -188,23 +201,31 @@ def test_platform_choice_env():
     assert out.strip() == "cpu"
 
 
-def test_streams_and_events():
+@pytest.mark.parametrize("mode", ["DEFER_NEVER", "DEFER_AND_FUSE"])
+def test_streams_and_events(mode):
     s = torch.tpu.Stream()
     assert isinstance(s, torch.Stream) and s.device == torch.device("tpu", 0)
     assert s == torch.tpu.current_stream() == torch.tpu.default_stream()  # one stream per device
-    x = torch.randn(256, 256, device="tpu")
-    start, end = torch.tpu.Event(enable_timing=True), torch.tpu.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        x = x @ x / 256
-    end.record(s)
-    end.synchronize()
-    assert end.query() and start.elapsed_time(end) >= 0.0
-    with torch.tpu.stream(torch.tpu.Stream()) as other:
-        y = x + 1
-    other.wait_stream(s)
-    y.record_stream(other)
-    other.synchronize()
-    assert other.query()
+    with torch.tpu.set_eager_mode(mode):
+        x = torch.randn(256, 256, device="tpu")
+        start, end = torch.tpu.Event(enable_timing=True), torch.tpu.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        for _ in range(5):
+            x = x @ x / 256
+        end.record(s)  # runs what fused eager deferred, then waits for it on synchronize()
+        assert fused.pending_ops() == 0
+        end.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        assert _ready(x) and end.query()
+        # The measured span covers the matmuls: positive, and within the wall time around it.
+        assert 0.0 < start.elapsed_time(end) <= wall_ms
+        with torch.tpu.stream(torch.tpu.Stream()) as other:
+            y = x + 1
+        other.wait_stream(s)
+        y.record_stream(other)
+        other.synchronize()
+        assert other.query() and _ready(y)
+        torch.testing.assert_close(y.cpu(), x.cpu() + 1)
     with pytest.raises(RuntimeError, match="enable_timing"):
         torch.tpu.Event().elapsed_time(end)

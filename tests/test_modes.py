@@ -12,16 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import counts
+
 import torchtpu
 from torchtpu._execution import fused, modes
 
 EagerMode = torch.tpu.EagerMode
 FUSED, STRICT, DEBUG = EagerMode.DEFER_AND_FUSE, EagerMode.DEFER_NEVER, EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
-
-
-def counts(*names):
-    m = torchtpu.metrics()
-    return tuple(m.get(n, 0) for n in names)
 
 
 def test_mode_api_property_and_context_manager():

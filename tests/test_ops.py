@@ -191,15 +191,6 @@ def _tpu(*ts):
     return [t.to("tpu") if isinstance(t, torch.Tensor) else t for t in ts]
 
 
-def _close_to_cpu(tpu, cpu):
-    """Same dtypes, values within assert_close's default tolerance for that dtype (exact for
-    integers)."""
-    tpu, cpu = (v if isinstance(v, (tuple, list)) else [v] for v in (tpu, cpu))
-    for t, c in zip(tpu, cpu):
-        assert t.dtype == c.dtype, (t.dtype, c.dtype)
-        torch.testing.assert_close(t.cpu(), c)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_norms_match_cpu_values_and_statistics_dtypes(dtype):
     aten = torch.ops.aten
@@ -208,18 +199,18 @@ def test_half_norms_match_cpu_values_and_statistics_dtypes(dtype):
     # Layer norm: statistics in the input's dtype (float32 with float32 parameters); a single
     # element normalised shows the CPU kernel's fused multiply-add.
     for args in ((x, [5], w, b), (x, [5], w.float(), b.float()), (x[..., :1], [1], w[:1], None)):
-        _close_to_cpu(aten.native_layer_norm(*_tpu(*args), 1e-5),
+        assert_same(aten.native_layer_norm(*_tpu(*args), 1e-5),
                       aten.native_layer_norm(*args, 1e-5))
     gw = torch.randn(6).to(dtype)
-    _close_to_cpu(aten.native_group_norm(*_tpu(x, gw, None), 4, 6, 5, 3, 1e-5),
+    assert_same(aten.native_group_norm(*_tpu(x, gw, None), 4, 6, 5, 3, 1e-5),
                   aten.native_group_norm(x, gw, None, 4, 6, 5, 3, 1e-5))
     # Batch norm: the statistics rounded as the CPU kernel rounds them, the running ones too.
     for p, training in ((dtype, True), (torch.float32, True), (dtype, False)):
         c = [torch.randn(6).to(p), torch.randn(6).to(p), torch.randn(6).to(p), torch.rand(6).to(p)]
         t = _tpu(*c)
         cpu = aten.native_batch_norm(x, *c, training, -1.2, 0.5)
-        _close_to_cpu(aten.native_batch_norm(x.to("tpu"), *t, training, -1.2, 0.5), cpu)
-        _close_to_cpu(t[2:], c[2:])
+        assert_same(aten.native_batch_norm(x.to("tpu"), *t, training, -1.2, 0.5), cpu)
+        assert_same(t[2:], c[2:])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -230,13 +221,13 @@ def test_half_convolutions_pooling_and_activations_match_cpu(dtype):
     # kernel: each kernel tap rounded, the taps summed in half precision.
     for kw in ({"stride": 2, "padding": 1},
                {"stride": (3, 2), "output_padding": (2, 3), "dilation": 4}):
-        _close_to_cpu(F.conv_transpose2d(*_tpu(x, w, b), **kw), F.conv_transpose2d(x, w, b, **kw))
+        assert_same(F.conv_transpose2d(*_tpu(x, w, b), **kw), F.conv_transpose2d(x, w, b, **kw))
     v = torch.randn(2, 3, 8, 8, 6).to(dtype)  # windows summed in half precision
-    _close_to_cpu(F.adaptive_avg_pool3d(v.to("tpu"), (5, 7, 4)),
+    assert_same(F.adaptive_avg_pool3d(v.to("tpu"), (5, 7, 4)),
                   F.adaptive_avg_pool3d(v, (5, 7, 4)))
-    _close_to_cpu(F.gelu(x.to("tpu")), F.gelu(x))
+    assert_same(F.gelu(x.to("tpu")), F.gelu(x))
     y, g = torch.softmax(torch.randn(5, 7), -1).to(dtype), torch.randn(5, 7).to(dtype)
-    _close_to_cpu(torch.ops.aten._softmax_backward_data(*_tpu(g, y), -1, dtype),
+    assert_same(torch.ops.aten._softmax_backward_data(*_tpu(g, y), -1, dtype),
                   torch.ops.aten._softmax_backward_data(g, y, -1, dtype))
 
 
@@ -247,7 +238,7 @@ def test_half_interpolation_and_grid_sampling_match_cpu(dtype):
         x = (torch.randn(shape) * 3).to(dtype)
         for factor, corners in ((1.7, False), (0.6, True)):
             kw = {"mode": mode, "scale_factor": factor, "align_corners": corners}
-            _close_to_cpu(F.interpolate(x.to("tpu"), **kw), F.interpolate(x, **kw))
+            assert_same(F.interpolate(x.to("tpu"), **kw), F.interpolate(x, **kw))
     # The CPU kernels compute grid sampling in half precision, rounding every operation.
     for nd in (2, 3):
         x = (torch.randn(2, 3, *([5, 7] if nd == 2 else [3, 4, 5])) * 3).to(dtype)
@@ -255,7 +246,7 @@ def test_half_interpolation_and_grid_sampling_match_cpu(dtype):
         for mode in ("bilinear", "nearest", "bicubic")[:5 - nd]:
             for padding in ("zeros", "border", "reflection"):
                 kw = {"mode": mode, "padding_mode": padding, "align_corners": nd == 2}
-                _close_to_cpu(F.grid_sample(*_tpu(x, grid), **kw), F.grid_sample(x, grid, **kw))
+                assert_same(F.grid_sample(*_tpu(x, grid), **kw), F.grid_sample(x, grid, **kw))
 
 
 def test_uint8_bilinear_resizing_is_exactly_pytorchs_integer_kernel():
