@@ -394,8 +394,6 @@ class OpKernel:
                 outs.append(strided.store(value, stride))
             return outs, [new_arrays[j] for j in compiled.writes], [c for c, _, _ in checks]
 
-        # Named for its op: profiles and XLA dumps show `jit_aten_mm_default`.
-        run.__name__ = run.__qualname__ = str(self.overload).replace(".", "_")
         compiled.run = run
         compiled.fn = run if low.eager else jax.jit(run)
         compiled.check_info = check_info
