@@ -1,7 +1,8 @@
 """PyTorch's device-backend autoload entry point, and the light half of the `tpu` device.
 
 `import torch` calls `load()`, which only registers the name `tpu` (so `torch.device("tpu")`
-parses), a stand-in `torch.tpu` module, a dispatcher fallback and the "tpu" c10d backend. JAX
+parses), a stand-in `torch.tpu` module, a dispatcher fallback, the "tpu" c10d backend and the
+torch.save/torch.load location. JAX
 and the ~1,300 kernels load at the first use of the device: an op on a tpu tensor or device,
 any `torch.tpu.*` attribute, `torch.compile(backend="tpu")`, `init_process_group("tpu")`.
 `import torchtpu` loads everything at once.
@@ -25,6 +26,7 @@ _state = types.SimpleNamespace(
     stand_in=None,     # the _LazyDeviceModule
     module=None,       # the full torch.tpu module once loaded
     fallback=None,     # the full backend's PrivateUse1 fallback (CPU fallback or error)
+    serialization=None,  # the full backend's torch.save tag and torch.load restore functions
     library=None,      # the torch.library.Library holding our PrivateUse1 fallback
     bad_fork=False,
     seed=None,         # torch.manual_seed before the device loaded
@@ -105,7 +107,7 @@ def ensure_loaded():
         except Exception as e:
             # A half-imported module must not pass for the device: the next use tries again.
             torch.tpu = sys.modules["torch.tpu"] = _state.stand_in
-            _state.module = _state.fallback = None
+            _state.module = _state.fallback = _state.serialization = None
             raise RuntimeError(
                 f"The tpu device could not be loaded: importing torchtpu failed with {e!r}") from e
     return _state.module
@@ -150,6 +152,17 @@ class _LazyDeviceModule(types.ModuleType):
             _state.module.manual_seed_all(seed)
 
 
+def _tag(obj):
+    return None if _state.serialization is None else _state.serialization[0](obj)
+
+
+def _restore(obj, location):
+    if not str(location).startswith("tpu"):
+        return None
+    ensure_loaded()
+    return _state.serialization[1](obj, location)
+
+
 def _create_process_group(*args, **kwargs):
     ensure_loaded()
     from torchtpu._distributed import _create
@@ -165,6 +178,9 @@ def install():
     _setup_privateuseone_for_python_backend("tpu", _state.stand_in, _Hooks(), _Guard())
     _state.library = torch.library.Library("_", "IMPL")
     _state.library.fallback(_fallback, dispatch_key="PrivateUse1")
+    # torch.load(map_location="tpu") as the first use: PyTorch's generic path would copy into
+    # a storage the device cannot make before it loads.
+    torch.serialization.register_package(1, _tag, _restore)
     import torch.distributed as dist
     if dist.is_available() and "TPU" not in dist.Backend._plugins:
         dist.Backend.register_backend("tpu", _create_process_group, extended_api=True,
@@ -172,13 +188,15 @@ def install():
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def register(module, fallback):
-    """Called by `import torchtpu`: the full module replaces the stand-in as `torch.tpu`, and
-    ops without a tpu kernel go to `fallback`."""
+def register(module, fallback, tag, restore):
+    """Called by `import torchtpu`: the full module replaces the stand-in as `torch.tpu`, ops
+    without a tpu kernel go to `fallback`, torch.save/torch.load of tpu storages to `tag` and
+    `restore`."""
     install()
     torch.tpu = sys.modules["torch.tpu"] = module
     _state.module = module
     _state.fallback = fallback
+    _state.serialization = tag, restore
     if _state.seed is not None:
         module.manual_seed_all(_state.seed)
 

@@ -65,6 +65,19 @@ def test_compile_first_loads_the_device(tmp_path):
     assert out.split() == ["[1.0,", "3.0,", "5.0]", "True"]
 
 
+def test_torch_load_to_tpu_first_loads_the_device(tmp_path):
+    # Was a segfault: PyTorch's generic restore path copied into a storage before the load.
+    torch_file = tmp_path / "t.pt"
+    out = run_script(tmp_path, f"""
+        import subprocess, sys
+        import torch
+        subprocess.run([sys.executable, "-c", "import torch; torch.save(torch.arange(3.0), {str(torch_file)!r})"], check=True)
+        t = torch.load({str(torch_file)!r}, map_location="tpu")
+        print(t.device, t.cpu().tolist())
+    """, env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "1"})
+    assert out.split() == ["tpu:0", "[0.0,", "1.0,", "2.0]"]
+
+
 def test_seed_before_the_load_is_applied(tmp_path):
     out = run_script(tmp_path, """
         import torch

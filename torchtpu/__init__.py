@@ -14,9 +14,6 @@ from ._core import runtime as _runtime  # noqa: F401  (torchtpu._runtime.platfor
 __version__ = "0.1.0"
 
 _registration.register_backend(_module)
-if not hasattr(torch.tpu, "_torchtpu_library"):
-    from ._frontend import serialization as _serialization
-    _serialization.register()
 
 
 def _install_kernels():

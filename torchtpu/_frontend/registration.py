@@ -2,8 +2,9 @@
 registered by torchtpu_autoload, at `import torch` or at the top of `import torchtpu`)."""
 import torchtpu_autoload
 
+from . import serialization
 from .._execution import fallback
 
 
 def register_backend(module):
-    torchtpu_autoload.register(module, fallback._fallback)
+    torchtpu_autoload.register(module, fallback._fallback, serialization._tag, serialization._restore)
