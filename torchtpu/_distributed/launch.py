@@ -33,9 +33,9 @@ def _coordinator_host():
 
 
 def _shut_down_runtime():
-    from .._device import runtime
-    from .._execution import fused, kernels, strict
-    strict._scalar_cache.clear()  # device copies of Python scalars, not tensors
+    from .._core import runtime
+    from .._execution import fused, kernels, op_kernel
+    op_kernel._scalar_cache.clear()  # device copies of Python scalars, not tensors
     if jax.live_arrays():
         raise RuntimeError(
             "init_process_group('tpu') with world_size > 1 must run before this process "
