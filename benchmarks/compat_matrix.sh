@@ -13,6 +13,7 @@ SUBSET=(tests/test_device.py tests/test_training.py tests/test_models.py tests/t
 for py in "$@"; do
     version=$("$py" -c "import torch; print(torch.__version__)" 2>&1 | tail -1)
     start=$SECONDS
-    summary=$(PYTHONPATH=$PWD timeout 1800 "$py" -m pytest -q -p no:cacheprovider "${SUBSET[@]}" 2>&1 | tail -1)
+    out=$(PYTHONPATH=$PWD timeout 1800 "$py" -m pytest -q -rf -p no:cacheprovider "${SUBSET[@]}" 2>&1)
+    summary="$(echo "$out" | grep "^FAILED" | cut -c1-120) $(echo "$out" | tail -1)"
     echo "torch $version | $summary | $((SECONDS - start)) s"
 done
