@@ -1,12 +1,208 @@
-"""PyTorch's device-backend autoload entry point (`import torch` loads the `tpu` device).
+"""PyTorch's device-backend autoload entry point, and the light half of the `tpu` device.
 
-Kept outside the package so that a broken install can only warn: `import torch` must never
-fail because of torchtpu.  Set TORCH_DEVICE_BACKEND_AUTOLOAD=0 to skip it."""
+`import torch` calls `load()`, which only registers the name `tpu` (so `torch.device("tpu")`
+parses), a stand-in `torch.tpu` module, a dispatcher fallback, the "tpu" c10d backend and the
+torch.save/torch.load location. JAX
+and the ~1,300 kernels load at the first use of the device: an op on a tpu tensor or device,
+any `torch.tpu.*` attribute, `torch.compile(backend="tpu")`, `init_process_group("tpu")`.
+`import torchtpu` loads everything at once.
+
+Kept outside the package so that importing it imports no JAX, and so that a broken install can
+only warn: `import torch` must never fail because of torchtpu. Set TORCH_DEVICE_BACKEND_AUTOLOAD=0
+to skip it.
+
+It also guards processes: a forked child of a process whose JAX runtime had started, and a
+DataLoader worker, get a clear error when they touch the device (JAX's runtime does not survive
+fork, and tpu tensors cannot be sent between processes).
+"""
+import os
+import sys
+import types
 import warnings
+
+import torch
+
+_state = types.SimpleNamespace(
+    stand_in=None,     # the _LazyDeviceModule
+    module=None,       # the full torch.tpu module once loaded
+    fallback=None,     # the full backend's PrivateUse1 fallback (CPU fallback or error)
+    serialization=None,  # the full backend's torch.save tag and torch.load restore functions
+    library=None,      # the torch.library.Library holding our PrivateUse1 fallback
+    bad_fork=False,
+    seed=None,         # torch.manual_seed before the device loaded
+)
+
+
+class _Hooks(torch._C._acc.PrivateUse1Hooks):
+    def is_available(self):
+        return True
+
+    def has_primary_context(self, dev_id):
+        return True
+
+    def is_built(self):
+        return True
+
+
+class _Guard(torch._C._acc.DeviceGuard):
+    def type_(self):
+        return torch._C._autograd.DeviceType.PrivateUse1
+
+
+# --- the processes that may not use the device ------------------------------------------------
+
+_FORK_ERROR = (
+    "Cannot re-initialize the tpu device in a forked subprocess: the parent process had already "
+    "started JAX's device runtime, which does not survive fork(). To use tpu with "
+    "multiprocessing, you must use the 'spawn' start method (and in DataLoader workers, return "
+    "CPU tensors and move each batch to tpu in the main process).")
+_WORKER_ERROR = (
+    "DataLoader worker processes cannot use the tpu device: tpu tensors cannot be sent between "
+    "processes. Return CPU tensors from the Dataset/collate_fn and move each batch to tpu in the "
+    "main process (batch.to('tpu')).")
+
+
+def _is_in_bad_fork():
+    return _state.bad_fork
+
+
+def check_process():
+    """Raises if this process may not start or use the device (see the module docstring)."""
+    if _state.bad_fork:
+        raise RuntimeError(_FORK_ERROR)
+    data = sys.modules.get("torch.utils.data")
+    if data is not None and data.get_worker_info() is not None:
+        raise RuntimeError(_WORKER_ERROR)
+
+
+def _runtime_started():
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    return bridge is not None and bridge.backends_are_initialized()
+
+
+def _after_fork_in_child():
+    if not _runtime_started():
+        return  # JAX never started in the parent: the child may start its own runtime
+    _state.bad_fork = True
+    # Every kernel would run on the parent's (dead) runtime and hang: drop them all, so that
+    # each tpu op reaches our fallback, which raises _FORK_ERROR.
+    module = _state.module
+    if module is not None:
+        for lib in getattr(module, "_torchtpu_library", ()):
+            lib._destroy()
+        module._torchtpu_library = ()
+        runtime = sys.modules.get("torchtpu._core.runtime")
+        if runtime is not None:
+            runtime._devices = None  # torch.tpu.* queries restart the runtime, which raises
+
+
+# --- loading --------------------------------------------------------------------------------
+
+def ensure_loaded():
+    """The full `torch.tpu` module, importing torchtpu (JAX, kernels) the first time."""
+    if _state.module is None:
+        check_process()
+        try:
+            import torchtpu  # noqa: F401  (sets _state.module through register())
+        except Exception as e:
+            # A half-imported module must not pass for the device: the next use tries again.
+            torch.tpu = sys.modules["torch.tpu"] = _state.stand_in
+            _state.module = _state.fallback = _state.serialization = None
+            raise RuntimeError(
+                f"The tpu device could not be loaded: importing torchtpu failed with {e!r}") from e
+    return _state.module
+
+
+def _fallback(op, *args, **kwargs):
+    check_process()
+    if _state.fallback is None:
+        ensure_loaded()
+        if _state.fallback is None:  # pragma: no cover - torchtpu always sets it
+            raise RuntimeError("torchtpu loaded without installing its fallback")
+        return op(*args, **kwargs)  # now the op's own tpu kernel, if it has one, runs
+    return _state.fallback(op, *args, **kwargs)
+
+
+class _LazyDeviceModule(types.ModuleType):
+    """`torch.tpu` until the device loads: any attribute loads it, except the few that PyTorch
+    itself reads on every `import torch`/`torch.manual_seed` (they must not cost a JAX import)."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(ensure_loaded(), name)
+
+    def __setattr__(self, name, value):
+        setattr(ensure_loaded(), name, value)
+
+    @staticmethod
+    def is_available():
+        return True
+
+    @staticmethod
+    def _is_in_bad_fork():
+        return _state.bad_fork
+
+    @staticmethod
+    def manual_seed_all(seed):
+        # torch.manual_seed seeds every device module; applied when the device loads.
+        if _state.module is None:
+            _state.seed = int(seed)
+        else:
+            _state.module.manual_seed_all(seed)
+
+
+def _tag(obj):
+    return None if _state.serialization is None else _state.serialization[0](obj)
+
+
+def _restore(obj, location):
+    if not str(location).startswith("tpu"):
+        return None
+    ensure_loaded()
+    return _state.serialization[1](obj, location)
+
+
+def _create_process_group(*args, **kwargs):
+    ensure_loaded()
+    from torchtpu._distributed import _create
+    return _create(*args, **kwargs)
+
+
+def install():
+    """Registers the name `tpu` with the stand-in module, the fallback and the c10d backend."""
+    if _state.library is not None:
+        return
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+    _state.stand_in = _LazyDeviceModule("torch.tpu", __doc__)
+    _setup_privateuseone_for_python_backend("tpu", _state.stand_in, _Hooks(), _Guard())
+    _state.library = torch.library.Library("_", "IMPL")
+    _state.library.fallback(_fallback, dispatch_key="PrivateUse1")
+    # torch.load(map_location="tpu") as the first use: PyTorch's generic path would copy into
+    # a storage the device cannot make before it loads.
+    torch.serialization.register_package(1, _tag, _restore)
+    import torch.distributed as dist
+    if dist.is_available() and "TPU" not in dist.Backend._plugins:
+        dist.Backend.register_backend("tpu", _create_process_group, extended_api=True,
+                                      devices=["tpu"])
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def register(module, fallback, tag, restore):
+    """Called by `import torchtpu`: the full module replaces the stand-in as `torch.tpu`, ops
+    without a tpu kernel go to `fallback`, torch.save/torch.load of tpu storages to `tag` and
+    `restore`."""
+    install()
+    torch.tpu = sys.modules["torch.tpu"] = module
+    _state.module = module
+    _state.fallback = fallback
+    _state.serialization = tag, restore
+    if _state.seed is not None:
+        module.manual_seed_all(_state.seed)
 
 
 def load():
     try:
-        import torchtpu  # noqa: F401
+        install()
     except Exception as e:  # pragma: no cover - exercised only by broken installs
-        warnings.warn(f"torchtpu could not be loaded, device 'tpu' is unavailable: {e!r}")
+        warnings.warn(f"torchtpu could not register the tpu device: {e!r}")

@@ -408,6 +408,36 @@ def scenario_never_joins():
     os._exit(0)
 
 
+# --- launch order: torch.tpu queries before init_process_group, as in CUDA scripts -----------
+def scenario_launch_order():
+    local = int(os.environ["LOCAL_RANK"])
+    assert torch.tpu.is_available()
+    count = torch.tpu.device_count()
+    assert count >= 1
+    torch.tpu.set_device(local % count)
+    name = torch.tpu.get_device_name()
+    props = torch.tpu.get_device_properties()
+    assert props.name == name and props.index == local % count
+    torch.manual_seed(0)
+    dist.init_process_group("tpu")
+    r, n = dist.get_rank(), dist.get_world_size()
+    assert torch.tpu.device_count() == count and torch.tpu.current_device() == local % count
+    x = torch.full((3,), float(r + 1), device="tpu")
+    dist.all_reduce(x)
+    assert x.cpu().tolist() == [n * (n + 1) / 2] * 3, x
+    dist.destroy_process_group()
+
+
+def scenario_tensor_before_init():
+    keep = torch.ones(2, device="tpu")  # noqa: F841  (a live tensor on the single-process runtime)
+    try:
+        dist.init_process_group("tpu")
+    except RuntimeError as e:
+        assert "before this process creates its first tpu tensor" in str(e), e
+    else:
+        raise AssertionError("init_process_group joined with a tensor on the old runtime")
+
+
 if __name__ == "__main__":
     name = sys.argv[1]
     if os.environ.get("TORCHTPU_TEST_SET_DEVICE"):  # one process per device of a shared host

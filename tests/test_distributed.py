@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _port():
@@ -29,7 +30,9 @@ def _port():
 def _env(rank, world, port, devices_per_process, extra):
     env = dict(os.environ, **extra, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="1")
+               PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="1",
+               # this checkout's torchtpu, not an installed one (the script's folder is tests/)
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     env.pop("XLA_FLAGS", None)  # by default one CPU device per process, as one chip per process
     if devices_per_process > 1:  # every process sees all devices and picks tpu:LOCAL_RANK
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
@@ -89,6 +92,15 @@ def test_ddp_and_fsdp2_train_like_one_process(mode):
         (m,) = [m for m in measures(out) if m.startswith("fsdp_param_bytes")]
         full, local = (int(x) for x in re.findall(r"full=(\d+) local=(\d+)", m)[0])
         assert local <= full / 2 * 1.1, m
+
+
+def test_torch_tpu_queries_before_init_process_group():
+    # device_count/set_device/properties first (the usual torchrun script order), then init.
+    assert_passed(launch("launch_order", 2), "launch_order")
+
+
+def test_init_process_group_after_a_tensor_says_why():
+    assert_passed(launch("tensor_before_init", 2, timeout=120), "tensor_before_init")
 
 
 def test_dtensor_and_distributed_checkpoint():

@@ -1,7 +1,9 @@
 """TorchTPU: a native PyTorch `tpu` device on JAX's PJRT runtime.
 
 `import torchtpu` (or just `import torch`, through PyTorch's backend autoload) makes
-`device="tpu"` work like `device="cuda"`.  The device module is `torch.tpu`.
+`device="tpu"` work like `device="cuda"`.  The device module is `torch.tpu`.  The autoload only
+registers the device name (torchtpu_autoload); this package, JAX and the kernels load at the first
+use of the device, or here, eagerly, on `import torchtpu`.
 """
 import torch
 
@@ -12,14 +14,11 @@ from ._core import runtime as _runtime  # noqa: F401  (torchtpu._runtime.platfor
 __version__ = "0.1.0"
 
 _registration.register_backend(_module)
-if not hasattr(torch.tpu, "_torchtpu_library"):
-    from ._frontend import serialization as _serialization
-    _serialization.register()
 
 
 def _install_kernels():
     from . import _lowerings  # noqa: F401  (fills the lowering table)
-    from ._execution import composite, fallback, fused, kernels, masks, transfer, views
+    from ._execution import composite, fused, kernels, masks, transfer, views
     from ._frontend import streams
 
     lib = torch.library.Library("aten", "IMPL")
@@ -28,8 +27,7 @@ def _install_kernels():
     streams.register(lib)
     manual = {torch.ops.aten.copy_.default} | masks.register(lib) | composite.register(lib)
     kernels.register_table(lib, skip=manual)
-    fallback_lib = torch.library.Library("_", "IMPL")
-    fallback.register(fallback_lib)
+    fallback_lib = torch.library.Library("_", "IMPL")  # (the PrivateUse1 fallback is torchtpu_autoload's)
     from ._frontend import autocast, patches
     autocast.register(lib, fallback_lib)
     patches.install()

@@ -113,7 +113,11 @@ def _capturable_optimizers_on_tpu():
     device) only for CUDA/XPU parameters; on the host, `step` would split every compiled
     step into host work.  Mark still-uninitialised groups of tpu parameters capturable too."""
     from torch._dynamo.variables.optimizer import OptimizerVariable
-    original = OptimizerVariable._set_capturable
+    original = getattr(OptimizerVariable, "_set_capturable", None)
+    if original is None:  # a private hook of Dynamo's; without it, steps compile non-capturable
+        warnings.warn("torchtpu: this torch's Dynamo has no OptimizerVariable._set_capturable; "
+                      "compiled optimizer steps on tpu keep their state on the host")
+        return
     if getattr(original, "_torchtpu", False):
         return
 

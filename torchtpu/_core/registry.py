@@ -22,6 +22,9 @@ import torch
 
 # OpOverload -> Lowering, for every overload we run (variants share their functional's)
 TABLE = {}
+# Lowerings of ops this torch release does not have (e.g. aten::cholesky, gone in 2.14): the
+# op cannot be called, so its lowering is simply not registered.
+ABSENT = []
 
 
 class Promote(enum.Enum):
@@ -54,11 +57,16 @@ class Lowering:
     validate: Callable = None
 
 
-def overload_of(name):
+def overload_of(name, missing_ok=False):
+    """The OpOverload "ns::op.overload"; None if this torch release lacks it and `missing_ok`."""
     ns, rest = name.split("::")
     op, _, ov = rest.partition(".")
-    packet = getattr(getattr(torch.ops, ns), op)
-    return getattr(packet, ov or "default")
+    try:
+        return getattr(getattr(getattr(torch.ops, ns), op), ov or "default")
+    except AttributeError:
+        if missing_ok:
+            return None
+        raise
 
 
 def _arg_signature(schema, skip_out=False):
@@ -96,7 +104,10 @@ def lowering(*names, **options):
         if low.opmath:
             low.fn = in_float32(fn)
         for name in names:
-            ov = overload_of(name)
+            ov = overload_of(name, missing_ok=True)
+            if ov is None:
+                ABSENT.append(name)
+                continue
             TABLE[ov] = low
             for var in variants(ov):
                 TABLE.setdefault(var, low)

@@ -4,6 +4,7 @@ import threading
 
 import jax
 import torch
+import torchtpu_autoload
 
 # int64 is PyTorch's index type and float64 a real dtype on the CPU; without x64 JAX would
 # silently narrow both.
@@ -50,6 +51,7 @@ def devices():
     """The local JAX devices; `tpu:N` is `devices()[N]`."""
     global _devices
     if _devices is None:
+        torchtpu_autoload.check_process()  # a forked child or DataLoader worker: a clear error
         _devices = jax.local_devices(backend=platform())
         if not 0 <= _current[0] < len(_devices):
             bad, _current[0] = _current[0], 0

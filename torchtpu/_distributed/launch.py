@@ -3,8 +3,10 @@
 The default group of `init_process_group("tpu")` calls `initialize`: rank 0 picks a free port
 for JAX's coordinator and publishes it in the c10d store (so only `MASTER_ADDR`/`MASTER_PORT`,
 or any other torch rendezvous, is needed), and every rank joins with its torch rank as JAX
-process id. This must happen before the device runtime starts, i.e. before the process
-creates its first tpu tensor.
+process id. JAX requires this before its backends start; as on CUDA, `torch.tpu` queries
+(`device_count()`, `get_device_properties()`...) may come first: a runtime they started holds no
+array yet, so it is shut down and restarts as part of the multi-process runtime. Only a process
+that already holds tpu tensors cannot join.
 """
 import os
 import socket
@@ -30,16 +32,34 @@ def _coordinator_host():
         return "127.0.0.1"
 
 
+def _shut_down_runtime():
+    from .._core import runtime
+    from .._execution import fused, kernels, op_kernel
+    op_kernel._scalar_cache.clear()  # device copies of Python scalars, not tensors
+    if jax.live_arrays():
+        raise RuntimeError(
+            "init_process_group('tpu') with world_size > 1 must run before this process "
+            "creates its first tpu tensor: JAX's multi-process runtime can only start before "
+            "the device runtime does. Move init_process_group above the first tpu tensor "
+            "(torch.tpu queries such as device_count() may come before it).")
+    kernels.clear_caches()  # executables built for the old runtime's devices
+    fused.clear_cache()
+    runtime._devices = runtime._platform = None
+    from jax._src import api, xla_bridge
+    if hasattr(api, "clear_backends"):  # private since JAX 0.4.36 (public jax.clear_backends gone)
+        api.clear_backends()
+    else:
+        xla_bridge._clear_backends()
+        jax.clear_caches()
+
+
 def initialize(store, rank, world_size, timeout):
     global _initialized
     if world_size == 1 or _initialized:
         return
     from jax._src import xla_bridge
     if xla_bridge.backends_are_initialized():
-        raise RuntimeError(
-            "init_process_group('tpu') with world_size > 1 must run before this process "
-            "creates its first tpu tensor: JAX's multi-process runtime can only start before "
-            "the device runtime does. Move init_process_group to the top of the script.")
+        _shut_down_runtime()
     key = "torchtpu/jax_coordinator"
     if rank == 0:
         store.set(key, f"{_coordinator_host()}:{_free_port()}")

@@ -46,7 +46,3 @@ def _fallback(op, *args, **kwargs):
             orig.copy_(result)
     dev = device[0] or torch.device("tpu", torch.tpu.current_device())
     return tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor) and x.device.type == "cpu" else x, out)
-
-
-def register(lib):
-    lib.fallback(_fallback, dispatch_key="PrivateUse1")

@@ -7,7 +7,11 @@ partly overlaps an input; ops that gather (cat, index_select, take...) refuse an
 They depend only on layouts and which storages are shared, so they run when an op's
 executable is built, and cached executables never needed them."""
 import torch
-from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
+
+try:  # torch >= 2.11 (the symbolic-shape-safe name)
+    from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
+except ImportError:  # older releases: the same check under its old name
+    from torch._prims_common import is_non_overlapping_and_dense
 
 from .._core import registry
 

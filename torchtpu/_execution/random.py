@@ -22,6 +22,7 @@ class DeviceGenerator:
 
 
 _generators = {}
+_seed_for_new = [_DEFAULT_SEED]  # manual_seed_all's seed, for the devices not used yet
 
 
 def generator(index=None):
@@ -29,7 +30,7 @@ def generator(index=None):
         index = runtime.current_device()
     g = _generators.get(index)
     if g is None:
-        g = _generators[index] = DeviceGenerator()
+        g = _generators[index] = DeviceGenerator(_seed_for_new[0])
     return g
 
 
@@ -54,8 +55,11 @@ def manual_seed(seed, index=None):
 
 
 def manual_seed_all(seed):
-    for i in range(runtime.device_count()):
-        manual_seed(seed, i)
+    # Without asking the runtime how many devices there are: torch.manual_seed calls this, and
+    # must not start JAX's runtime (init_process_group and DataLoader workers need it unstarted).
+    _seed_for_new[0] = int(seed) & 0xFFFFFFFFFFFFFFFF
+    for index in _generators:
+        manual_seed(seed, index)
 
 
 def seed(index=None):

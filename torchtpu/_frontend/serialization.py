@@ -1,4 +1,5 @@
-"""torch.save / torch.load of tpu storages (incl. map_location="tpu")."""
+"""torch.save / torch.load of tpu storages (incl. map_location="tpu"); registered with PyTorch
+by torchtpu_autoload."""
 import torch
 
 from .._core import runtime
@@ -23,6 +24,3 @@ def _restore(obj, location):
     st._tpu.from_bytes = True
     return st
 
-
-def register():
-    torch.serialization.register_package(1, _tag, _restore)

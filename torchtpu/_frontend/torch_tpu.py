@@ -52,8 +52,7 @@ def init():
     runtime.devices()
 
 
-def _is_in_bad_fork():
-    return False
+from torchtpu_autoload import _is_in_bad_fork  # noqa: E402,F401  (a forked child of a started runtime)
 
 
 def device_count():
