@@ -129,6 +129,14 @@ def dtype_name(dtype):
         dtype, str(dtype))
 
 
+def _no_outputs(*args, **kwargs):
+    """Ops that only mutate their arguments in place have nothing to infer; the fused optimizer
+    steps' lowerings check their arguments (`validate`)."""
+
+
+for _name in ("_fused_adam_.tensor_lr", "_fused_adamw_.tensor_lr", "_fused_sgd_",
+              "_fused_sgd_.tensor_lr", "_fused_adagrad_", "_fused_adagrad_.tensor_lr"):
+    _impl(_name, _no_outputs)
 _impl("complex", _complex)
 _impl("complex.out", _complex_out)
 _impl("aminmax.out", _aminmax_out)
