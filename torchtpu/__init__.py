@@ -12,6 +12,8 @@ from ._core import runtime as _runtime  # noqa: F401  (torchtpu._runtime.platfor
 __version__ = "0.1.0"
 
 _registration.register_backend(_module)
+from ._frontend import huggingface as _huggingface  # noqa: E402
+_huggingface.install()
 if not hasattr(torch.tpu, "_torchtpu_library"):
     from ._frontend import serialization as _serialization
     _serialization.register()

@@ -1,11 +1,14 @@
-"""Keeping tied parameters tied when a module moves to tpu.
+"""Keeping a module's Parameter objects when it moves to tpu, as on CUDA.
 
 `module.to(device)` changes a parameter in place (`param.data = ...`) only when PyTorch deems
 the old and new tensors "shallow-copy compatible", which it decides by a fixed list of
-backends that leaves out PrivateUse1; otherwise each module gets a new Parameter, so weights
+backends that leaves out PrivateUse1; otherwise each module gets a new Parameter. Then weights
 shared between modules (a language model's embedding and output projection) would silently
-become two independent copies. After a conversion, modules that shared one Parameter share
-the converted one again, as they do on CUDA."""
+become two independent copies, and an optimizer built before the move (accelerate's
+`prepare(model, optimizer)` pattern) would keep stepping the old CPU tensors. After a
+conversion to tpu, each old Parameter object takes the converted value (torch.utils.swap_tensors,
+what PyTorch's own swap-on-conversion mode does) and goes back to every place that held it;
+likewise for conversions from tpu (to the CPU, to another dtype)."""
 import threading
 
 import torch
@@ -13,13 +16,14 @@ import torch
 _depth = threading.local()
 
 
-def _tied_groups(module):
+def _places(module):
+    """Each Parameter object (by id) -> the object and every (module, name) holding it."""
     places = {}
     for mod in module.modules():
         for name, p in mod._parameters.items():
             if p is not None:
-                places.setdefault(id(p), []).append((mod, name))
-    return [group for group in places.values() if len(group) > 1]
+                places.setdefault(id(p), (p, []))[1].append((mod, name))
+    return places.values()
 
 
 def install():
@@ -31,18 +35,20 @@ def install():
         outermost = not getattr(_depth, "active", False)
         if not outermost:
             return original(self, fn, recurse)
-        groups = _tied_groups(self) if recurse else []
+        places = list(_places(self)) if recurse else []
         _depth.active = True
         try:
             result = original(self, fn, recurse)
         finally:
             _depth.active = False
-        for group in groups:
-            first_module, first_name = group[0]
-            shared = first_module._parameters[first_name]
-            if shared is not None and shared.device.type == "tpu":
-                for mod, name in group[1:]:
-                    mod._parameters[name] = shared
+        for old, where in places:
+            mod, name = where[0]
+            new = mod._parameters[name]
+            if new is None or new is old or "tpu" not in (old.device.type, new.device.type):
+                continue
+            torch.utils.swap_tensors(old, new)
+            for mod, name in where:
+                mod._parameters[name] = old
         return result
 
     _apply._torchtpu = True
