@@ -46,9 +46,20 @@ def install():
             new = mod._parameters[name]
             if new is None or new is old or "tpu" not in (old.device.type, new.device.type):
                 continue
-            torch.utils.swap_tensors(old, new)
+            cls, attributes = type(old), dict(old.__dict__)
+            try:
+                torch.utils.swap_tensors(old, new)
+                # As with CUDA's in-place `param.data = ...`: the object keeps its Parameter
+                # subclass and attributes, which PyTorch's conversion would drop.
+                old.__class__ = cls
+                old.__dict__.update(attributes)
+                new = old
+            except RuntimeError:
+                # Objects swap_tensors refuses (weakly referenced, or whose tensor is shared by
+                # a view) are replaced, as PyTorch does; ties are still restored.
+                pass
             for mod, name in where:
-                mod._parameters[name] = old
+                mod._parameters[name] = new
         return result
 
     _apply._torchtpu = True
