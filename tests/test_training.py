@@ -80,7 +80,9 @@ _FUSED = {
     "sgd_dampening_maximize": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, dampening=0.3,
                                                      maximize=True)),
     "sgd": (torch.optim.SGD, dict(lr=0.1)),
+    "sgd_tensor_lr": (torch.optim.SGD, dict(lr=torch.tensor(0.1), momentum=0.9)),
     "adagrad": (torch.optim.Adagrad, dict(lr=0.1, lr_decay=0.01, weight_decay=0.1)),
+    "adagrad_tensor_lr": (torch.optim.Adagrad, dict(lr=torch.tensor(0.1), lr_decay=0.01)),
 }
 
 
