@@ -173,6 +173,36 @@ def test_compiled_training_step_matches_cpu_for_20_steps():
     _close(tpu_model.head.weight.detach(), cpu_model.head.weight.detach(), rtol=1e-3, atol=1e-4)
 
 
+def test_compiled_step_with_fused_adamw_matches_cpu():
+    # torch.optim keeps Dynamo out of its fused step (torch.compiler.disable): the graphs around
+    # it are compiled and the step runs as the fused kernel, once per call.
+    torch.manual_seed(0)
+    model = MLP()
+    batches = [(torch.randn(8, 32), torch.randint(0, 10, (8,))) for _ in range(3)]
+
+    def run(m, dev, compile):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+
+        def step(x, y):
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        step = torch.compile(step, backend="tpu") if compile else step
+        return [step(x.to(dev), y.to(dev)).item() for x, y in batches]
+
+    tpu_model = copy.deepcopy(model).to("tpu")
+    torchtpu.reset_metrics()
+    tpu = run(tpu_model, "tpu", True)
+    assert counts("graph_compiles", "op::aten._fused_adamw_.default") >= (1, 3)
+    cpu = run(model, "cpu", False)
+    torch.testing.assert_close(torch.tensor(tpu), torch.tensor(cpu), rtol=1e-5, atol=1e-6)
+    for p, q in zip(tpu_model.parameters(), model.parameters()):
+        _close(p.detach(), q.detach())
+
+
 def test_new_shapes_recompile_and_are_counted():
     g = torch.compile(lambda x: x.exp().sum(0), backend="tpu", dynamic=False)
     for n in (3, 5):

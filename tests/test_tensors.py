@@ -1,3 +1,4 @@
+import copy
 import io
 
 import pytest
@@ -175,6 +176,32 @@ def test_tied_parameters_stay_tied_after_moving_to_tpu():
     assert model.head.weight is model.embed.weight
     assert model.head.weight.device.type == "tpu"
     assert len(list(model.parameters())) == 1
+
+
+def test_moving_a_module_keeps_its_parameter_objects_and_optimizer():
+    # As on CUDA: an optimizer built before the move (accelerate's prepare(model, optimizer))
+    # steps the moved weights; a Parameter keeps its subclass and attributes.
+    class Tagged(torch.nn.Parameter):
+        pass
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    model[1].weight = Tagged(model[1].weight.detach())
+    model[1].weight.no_decay = True
+    params = list(model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    cpu = copy.deepcopy(model)
+    cpu_opt = torch.optim.SGD(cpu.parameters(), lr=0.5)
+    model.to("tpu")
+    assert all(p is q and p.device.type == "tpu" for p, q in zip(model.parameters(), params, strict=True))
+    assert type(model[1].weight) is Tagged and model[1].weight.no_decay
+    x = torch.randn(4, 3)
+    for m, o, dev in ((model, opt, "tpu"), (cpu, cpu_opt, "cpu")):
+        m(x.to(dev)).sum().backward()
+        o.step()
+    for p, q in zip(model.parameters(), cpu.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach())
+    model.to("cpu").double()
+    assert all(p is q and p.dtype == torch.float64 for p, q in zip(model.parameters(), params))
 
 
 def test_conj_and_neg_bit_views_are_read_and_written_through():

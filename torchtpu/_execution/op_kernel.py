@@ -33,7 +33,7 @@ class _Arg:
     __slots__ = ("name", "kind", "kwarg_only", "default", "is_write", "is_out")
 
 
-def _classify(schema, static_scalars):
+def _classify(schema, static_scalars, traced_floats):
     args = []
     for a in schema.arguments:
         x = _Arg()
@@ -49,7 +49,8 @@ def _classify(schema, static_scalars):
             x.kind = _TOPT
         elif t in ("List[Tensor]", "List[Optional[Tensor]]"):
             x.kind = _TLIST
-        elif t in ("number", "Optional[number]") and a.name not in static_scalars:
+        elif (t in ("number", "Optional[number]") and a.name not in static_scalars
+              or t == "float" and a.name in traced_floats):
             x.kind = _SCALAR
         elif t == "List[number]" and a.name not in static_scalars:
             x.kind = _SCALARLIST
@@ -87,7 +88,7 @@ class OpKernel:
         self.overload = overload
         self.low = low
         schema = overload._schema
-        self.args = _classify(schema, low.static)
+        self.args = _classify(schema, low.static, low.traced)
         self.n_args = len(self.args)
         self.functional_args = [i for i, a in enumerate(self.args) if not a.is_out]
         self.writes = [i for i, a in enumerate(self.args) if a.is_write]

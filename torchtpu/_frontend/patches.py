@@ -90,13 +90,14 @@ def install():
 _depth = threading.local()
 
 
-def _tied_groups(module):
+def _places(module):
+    """Each Parameter object (by id) -> the object and every (module, name) holding it."""
     places = {}
     for mod in module.modules():
         for name, p in mod._parameters.items():
             if p is not None:
-                places.setdefault(id(p), []).append((mod, name))
-    return [group for group in places.values() if len(group) > 1]
+                places.setdefault(id(p), (p, []))[1].append((mod, name))
+    return places.values()
 
 
 def _keeping_ties(original):
@@ -105,17 +106,30 @@ def _keeping_ties(original):
         outermost = not getattr(_depth, "active", False)
         if not outermost:
             return original(self, fn, recurse)
-        groups = _tied_groups(self) if recurse else []
+        places = list(_places(self)) if recurse else []
         _depth.active = True
         try:
             result = original(self, fn, recurse)
         finally:
             _depth.active = False
-        for group in groups:
-            first_module, first_name = group[0]
-            shared = first_module._parameters[first_name]
-            if shared is not None and shared.device.type == "tpu":
-                for mod, name in group[1:]:
-                    mod._parameters[name] = shared
+        for old, where in places:
+            mod, name = where[0]
+            new = mod._parameters[name]
+            if new is None or new is old or "tpu" not in (old.device.type, new.device.type):
+                continue
+            cls, attributes = type(old), dict(old.__dict__)
+            try:
+                torch.utils.swap_tensors(old, new)
+                # As with CUDA's in-place `param.data = ...`: the object keeps its Parameter
+                # subclass and attributes, which PyTorch's conversion would drop.
+                old.__class__ = cls
+                old.__dict__.update(attributes)
+                new = old
+            except RuntimeError:
+                # Objects swap_tensors refuses (weakly referenced, or whose tensor is shared by
+                # a view) are replaced, as PyTorch does; ties are still restored.
+                pass
+            for mod, name in where:
+                mod._parameters[name] = new
         return result
     return _apply

@@ -129,6 +129,19 @@ def dtype_name(dtype):
         dtype, str(dtype))
 
 
+def _no_outputs(*args, **kwargs):
+    """Ops that only mutate their arguments in place have nothing to infer; the fused optimizer
+    steps' lowerings check their arguments (`validate`)."""
+
+
+for _name in ("_fused_adam_.tensor_lr", "_fused_adamw_.tensor_lr", "_fused_sgd_",
+              "_fused_sgd_.tensor_lr", "_fused_adagrad_", "_fused_adagrad_.tensor_lr"):
+    # Only where this PyTorch release has the overload and no meta kernel of its own.
+    _op, _, _ov = _name.partition(".")
+    _packet = getattr(torch.ops.aten, _op, None)
+    if (_packet is not None and (_ov or "default") in _packet.overloads()
+            and not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{_name}", "Meta")):
+        _impl(_name, _no_outputs)
 _impl("complex", _complex)
 _impl("complex.out", _complex_out)
 _impl("aminmax.out", _aminmax_out)
