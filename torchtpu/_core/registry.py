@@ -81,6 +81,21 @@ def variants(functional):
     return found
 
 
+def functional_of(overload):
+    """The functional overload whose results an out= overload stores (None if not out=)."""
+    schema = overload._schema
+    if not any(a.is_out for a in schema.arguments):
+        return None
+    ns, base = schema.name.split("::")
+    packet = getattr(getattr(torch.ops, ns), base)
+    sig = _arg_signature(schema, skip_out=True)
+    for name in packet.overloads():
+        ov = getattr(packet, name)
+        if not any(a.is_out for a in ov._schema.arguments) and _arg_signature(ov._schema) == sig:
+            return ov
+    return None
+
+
 def lowering(*names, **options):
     """Register `fn` as the lowering of each named functional overload (and its variants)."""
     def deco(fn):

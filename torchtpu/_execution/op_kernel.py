@@ -91,6 +91,7 @@ class OpKernel:
         self.functional_args = [i for i, a in enumerate(self.args) if not a.is_out]
         self.writes = [i for i, a in enumerate(self.args) if a.is_write]
         self.returns = schema.returns
+        self.functional = registry.functional_of(overload)
         self.cache = {}
         self.lock = threading.Lock()
         self.metric_key = f"op::{overload}"
@@ -107,8 +108,14 @@ class OpKernel:
     def __call__(self, *args, **kwargs):
         try:
             return self._call(args, kwargs)
-        except _OutResized:
-            return self._call(args, kwargs)
+        except _OutResized as resized:
+            try:
+                return self._call(args, kwargs)
+            except BaseException:
+                # A failing op leaves its out= as it was (PyTorch checks before resizing).
+                for t, shape, stride, offset in resized.args[0]:
+                    t.as_strided_(shape, stride, offset)
+                raise
 
     def _call(self, args, kwargs):
         vals = self.bind(args, kwargs)
@@ -306,7 +313,12 @@ class OpKernel:
         if self.low.eager:
             meta_out = None
         else:
-            meta_out = self.overload(*pos, **kw)
+            try:
+                meta_out = self.overload(*pos, **kw)
+            except AssertionError as e:
+                # Some of PyTorch's Python meta kernels assert where its C++ kernels raise
+                # RuntimeError (TORCH_CHECK).
+                raise RuntimeError(str(e)) from e
             self._resize_outs(vals, pos, kw)
             overlap.check(self, vals, resized=True)
 
@@ -320,6 +332,8 @@ class OpKernel:
         out_specs = [] if meta_out is None else [
             (tuple(m.shape), _dense_strides(m), m.dtype)
             for m in self._fresh_meta_outputs(meta_out, returns)]
+        for shape, stride, dtype in out_specs:
+            storage.check_allocation(shape, stride, dtype, device)
         compiled.out_specs = out_specs
         compiled.wrap_specs = _wrap_specs(out_specs)
         compiled.list_len = len(out_specs) if returns == [None] and self._returns_list() else 0
@@ -340,6 +354,11 @@ class OpKernel:
         elif promote == "common":
             tensors = [m for m in tree_flatten((pos, kw))[0] if isinstance(m, torch.Tensor)]
             promote_dtype = to_jax_dtype(torch.result_type(*tensors[:2])) if len(tensors) >= 2 else None
+        # An out= op computes its functional's results, rounded to their dtypes, and casts them
+        # to out's dtype (tanh(bfloat16, out=float32) rounds to bfloat16 first, as PyTorch).
+        result_dtypes = self._functional_dtypes(pos, kw) if write_targets and self.functional else None
+        if result_dtypes and promote is True:
+            promote_dtype = result_dtypes[0]
         n_buf = len(buffers)
         # Only plain values may be captured: a captured tensor would never be freed.
         consts = {}
@@ -374,7 +393,12 @@ class OpKernel:
                 else:
                     args.append(consts[i])
             registry._trace_state.checks = []
-            result = low.fn(*args)
+            try:
+                result = low.fn(*args)
+            except _TORCH_ERRORS:
+                raise
+            except Exception as e:
+                raise _as_torch_error(e, self.overload) from e
             checks = registry._trace_state.checks
             registry._trace_state.checks = []
             check_info[:] = [(exc, msg) for _, exc, msg in checks]
@@ -383,7 +407,10 @@ class OpKernel:
             outs = []
             if write_targets:  # in-place / out=: the results are the mutated arguments' values
                 flat_updates, flat = flat, []
-                for (j, shape, stride, offset, dtype, conj, neg), value in zip(write_targets, flat_updates):
+                for k, ((j, shape, stride, offset, dtype, conj, neg), value) in enumerate(
+                        zip(write_targets, flat_updates)):
+                    if result_dtypes:
+                        value = jnp.asarray(value).astype(result_dtypes[min(k, len(result_dtypes) - 1)])
                     value = _unapply_bits(jnp.broadcast_to(jnp.asarray(value), shape), conj, neg)
                     new_arrays[j] = strided.write(new_arrays[j], shape, stride, offset, dtype, value)
             if low.eager and not specs:  # data-dependent shapes: the values define them
@@ -398,10 +425,17 @@ class OpKernel:
         compiled.check_info = check_info
         return compiled
 
+    def _functional_dtypes(self, pos, kw):
+        """Dtypes of the functional overload's results (out= arguments are keyword-only)."""
+        outs = {a.name for a in self.args if a.is_out}
+        meta = self.functional(*pos, **{k: v for k, v in kw.items() if k not in outs})
+        metas = meta if isinstance(meta, (tuple, list)) else [meta]
+        return [to_jax_dtype(m.dtype) for m in metas if isinstance(m, torch.Tensor)]
+
     def _resize_outs(self, vals, pos, kw):
         # The meta kernel resized the meta `out=` tensors as PyTorch would; do the same to the
         # real ones, then run again with their new shapes in the key.
-        resized = False
+        resized = []
         for i, a in enumerate(self.args):
             if not a.is_out or vals[i] is None:
                 continue
@@ -411,12 +445,12 @@ class OpKernel:
                 metas, reals = [metas], [reals]
             for meta, real in zip(metas, reals):
                 if tuple(meta.shape) != tuple(real.shape) or meta.stride() != real.stride():
+                    resized.append((real, tuple(real.shape), real.stride(), real.storage_offset()))
                     real.resize_(meta.shape)
                     if meta.stride() != real.stride():
                         real.as_strided_(meta.shape, meta.stride())
-                    resized = True
         if resized:
-            raise _OutResized
+            raise _OutResized(resized)
 
     def _returns_list(self):
         return len(self.returns) == 1 and isinstance(self.returns[0].type, torch.ListType)
@@ -482,6 +516,18 @@ class OpKernel:
                 for o in outs]
             compiled.wrap_specs = _wrap_specs(compiled.out_specs)
         return self._commit(compiled, vals, outs, updated, buffers, device)
+
+
+# Errors PyTorch's kernels raise themselves; anything else a lowering raises comes from JAX
+# refusing the input (a dtype, a shape) and becomes the type PyTorch would raise.
+_TORCH_ERRORS = (RuntimeError, IndexError, NotImplementedError)
+
+
+def _as_torch_error(e, overload):
+    if isinstance(e, TypeError) and "dtype" in str(e):
+        # PyTorch raises NotImplementedError for a dtype its kernel has no code for.
+        return NotImplementedError(f"{overload}: not implemented for this dtype ({e})")
+    return RuntimeError(f"{overload}: {e}")
 
 
 _int_probe = torch.empty((), dtype=torch.int32, device="meta")

@@ -13,16 +13,18 @@ def _torch_dtype_name(dtype):
     return str(to_torch_dtype(dtype)).replace("torch.", "")
 
 
-def check_index(idx, size, message="index out of range", exc_type=IndexError):
+def check_index(idx, size, message="index out of range", exc_type=IndexError, negative=True):
+    """`idx` lies in [-size, size), or with negative=False in [0, size): gather, scatter,
+    index_select, index_add and embedding take no negative indices on the CPU (JAX would wrap)."""
     idx = jnp.asarray(idx)
     if idx.size:
-        check(jnp.all((idx >= -size) & (idx < size)), message, exc_type)
+        check(jnp.all((idx >= (-size if negative else 0)) & (idx < size)), message, exc_type)
 
 
 def _check_scatter_index(idx, x, dim):
     # gather/scatter raise RuntimeError on the CPU (index_select & co. raise IndexError)
     check_index(idx, x.shape[dim], f"index is out of bounds for dimension {dim} with size "
-                f"{x.shape[dim]}", RuntimeError)
+                f"{x.shape[dim]}", RuntimeError, negative=False)
 
 
 def _wrap(idx, size):
@@ -32,7 +34,7 @@ def _wrap(idx, size):
 @lowering("aten::index_select.default")
 def index_select(x, dim, index):
     size = x.shape[dim] if x.ndim else 1
-    check_index(index, size, "index out of range in self")
+    check_index(index, size, "index out of range in self", negative=False)
     if x.ndim == 0:
         return x
     return jnp.take(x, _wrap(index, size), axis=dim)
@@ -147,7 +149,8 @@ def _check_index_add(x, dim, index, source, alpha=1):
 @_bool_via_int(0, 3)
 def index_add(x, dim, index, source, alpha=1):
     size = x.shape[dim] if x.ndim else 1
-    check_index(index, size, "index out of range in self")
+    check_index(index, size, f"index is out of bounds for dimension {dim} with size {size}",
+                RuntimeError, negative=False)
     if x.ndim == 0:
         return x + alpha * source.reshape(())
     moved = jnp.moveaxis(x, dim, 0)
@@ -229,7 +232,7 @@ def index_reduce(x, dim, index, source, reduce, include_self=True):
         out = index_reduce(x, 0, index, source, reduce, include_self)
         return out.reshape(())
     dim = dim % x.ndim
-    check_index(index, x.shape[dim], "index out of range in self")
+    check_index(index, x.shape[dim], "index out of range in self", negative=False)
     idx = (slice(None),) * dim + (_wrap(index, x.shape[dim]),)
     src = source if source.ndim else source.reshape(1)
     hit = jnp.zeros(x.shape[dim], bool).at[_wrap(index, x.shape[dim])].set(True)

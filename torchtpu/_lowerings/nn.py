@@ -56,7 +56,12 @@ def fma(a, b, c):
     return s + (s_err + p_err)
 
 
-@lowering("aten::relu.default")
+def _check_relu(x):
+    if x.dtype == torch.bool:
+        raise RuntimeError("Boolean inputs not supported for relu")
+
+
+@lowering("aten::relu.default", validate=_check_relu)
 def relu(x):
     return jnp.maximum(x, 0)
 
@@ -235,7 +240,7 @@ def _check_embedding(weight, *rest):
 @lowering("aten::embedding.default", validate=_check_embedding)
 def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     from .indexing import check_index
-    check_index(indices, weight.shape[0], "index out of range in self")
+    check_index(indices, weight.shape[0], "index out of range in self", negative=False)
     return jnp.take(weight, indices, axis=0)
 
 
@@ -269,16 +274,12 @@ def _nll(x, target, weight, reduction, ignore_index):
     return jnp.sum(loss), total
 
 
-@lowering("aten::nll_loss_forward.default")
+@lowering("aten::nll_loss_forward.default", "aten::nll_loss2d_forward.default")
 def nll_loss_forward(x, target, weight, reduction, ignore_index):
     from .indexing import check_index
     C = x.shape[1] if x.ndim > 1 else x.shape[0]
-    check_index(jnp.where(target == ignore_index, 0, target), C, "Target out of bounds")
-    return _nll(x, target, weight, reduction, ignore_index)
-
-
-@lowering("aten::nll_loss2d_forward.default")
-def nll_loss2d_forward(x, target, weight, reduction, ignore_index):
+    check_index(jnp.where(target == ignore_index, 0, target), C, "Target out of bounds",
+                negative=False)
     return _nll(x, target, weight, reduction, ignore_index)
 
 
@@ -289,6 +290,19 @@ def nll_loss_backward(grad, x, target, weight, reduction, ignore_index, total_we
         # PyTorch divides by the saved total weight, not a recomputed one.
         f = lambda v: _nll(v, target, weight, 2, ignore_index)[0] / total_weight
     return jax.vjp(f, x)[1](grad.astype(x.dtype))[0]
+
+
+@lowering("aten::binary_cross_entropy.default", opmath=True)
+def binary_cross_entropy(x, target, weight=None, reduction=1):
+    from .._core.registry import check
+    # The CPU kernel's check of the values (CUDA's is a device assert).
+    check(jnp.all((x >= 0) & (x <= 1)), "all elements of input should be between 0 and 1",
+          RuntimeError)
+    # PyTorch clamps the logs at -100 so that a 0 or 1 gives a finite loss.
+    loss = (target - 1) * jnp.maximum(jnp.log1p(-x), -100) - target * jnp.maximum(jnp.log(x), -100)
+    if weight is not None:
+        loss = loss * weight
+    return loss if reduction == 0 else jnp.mean(loss) if reduction == 1 else jnp.sum(loss)
 
 
 @lowering("aten::mse_loss.default")

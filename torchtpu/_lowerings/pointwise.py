@@ -2,9 +2,26 @@
 kernel (inputs are cast to the result dtype before the JAX function runs)."""
 import jax
 import jax.numpy as jnp
+import torch
 from jax import lax
 
 from .._core.registry import lowering
+from .meta import dtype_name
+
+
+def _not_complex(name):
+    def validate(x, y, *rest):
+        if x.is_complex() or (isinstance(y, torch.Tensor) and y.is_complex()):
+            raise RuntimeError(f"{name} not implemented for complex tensors.")
+    return validate
+
+
+def _floating_only(kernel):
+    """The CPU kernel `kernel` has code for floating and complex dtypes only."""
+    def validate(x, *rest):
+        if not (x.is_floating_point() or x.is_complex()):
+            raise NotImplementedError(f'"{kernel}" not implemented for \'{dtype_name(x.dtype)}\'')
+    return validate
 
 # --- arithmetic ----------------------------------------------------------------------------
 
@@ -44,8 +61,32 @@ def div_mode(x, y, rounding_mode=None):
         x, y = jnp.broadcast_arrays(x, jnp.asarray(y, jnp.asarray(x).dtype))
         q = lax.div(x, y)  # C division truncates
         return q
-    q = x / y
-    return jnp.floor(q) if rounding_mode == "floor" else jnp.trunc(q)
+    if rounding_mode == "floor":
+        return floor_divide_float(x, y)
+    return jnp.trunc(x / y)
+
+
+def floor_divide_float(x, y):
+    """PyTorch's floating floor division: from fmod, so an infinite dividend gives NaN (not
+    floor(inf / y) = inf), with the quotient rounded to the nearest integer near .5 and the
+    sign of zero kept."""
+    x, y = jnp.broadcast_arrays(x, jnp.asarray(y, jnp.asarray(x).dtype))
+    mod = jnp.fmod(x, y)
+    div = (x - mod) / y
+    div = jnp.where((mod != 0) & ((y < 0) != (mod < 0)), div - 1, div)
+    floor = jnp.floor(div)
+    floor = jnp.where(div - floor > 0.5, floor + 1, floor)
+    quotient = x / y
+    floor = jnp.where(div != 0, floor, jnp.copysign(jnp.zeros_like(div), quotient))
+    return jnp.where(y == 0, quotient, floor)
+
+
+@lowering("aten::floor_divide.default", "aten::floor_divide.Scalar", "aten::floor_divide_.Tensor",
+          "aten::floor_divide_.Scalar", promote=True)
+def floor_divide(x, y):
+    if jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer):
+        return div_mode(x, y, "floor")
+    return floor_divide_float(x, y)
 
 
 @lowering("aten::remainder.Tensor", "aten::remainder.Scalar", promote=True)
@@ -101,7 +142,11 @@ def abs_(x):
 
 @lowering("aten::sign.default")
 def sign(x):
-    return x if x.dtype == jnp.bool_ else jnp.sign(x)
+    if x.dtype == jnp.bool_:
+        return x
+    # PyTorch's sign is (0 < x) - (x < 0): 0 for NaN.
+    return jnp.where(jnp.isnan(x), 0, jnp.sign(x)) if jnp.issubdtype(x.dtype, jnp.floating) \
+        else jnp.sign(x)
 
 
 @lowering("aten::sgn.default")
@@ -109,17 +154,22 @@ def sgn(x):
     return sign(x)
 
 
-@lowering("aten::maximum.default", promote=True)
+@lowering("aten::maximum.default", promote=True, validate=_not_complex("maximum"))
 def maximum(x, y):
     return jnp.maximum(x, y)
 
 
-@lowering("aten::minimum.default", promote=True)
+@lowering("aten::minimum.default", promote=True, validate=_not_complex("minimum"))
 def minimum(x, y):
     return jnp.minimum(x, y)
 
 
-@lowering("aten::clamp.default", "aten::clamp.Tensor", promote=True)
+def _check_clamp(x, lo=None, hi=None):
+    if lo is None and hi is None:
+        raise RuntimeError("torch.clamp: At least one of 'min' or 'max' must not be None")
+
+
+@lowering("aten::clamp.default", "aten::clamp.Tensor", promote=True, validate=_check_clamp)
 def clamp(x, lo=None, hi=None):
     if lo is not None:
         x = jnp.maximum(x, lo)
@@ -148,7 +198,8 @@ def addcdiv(x, a, b, value=1):
     return x + value * a / b
 
 
-@lowering("aten::lerp.Scalar", "aten::lerp.Tensor", promote=True, opmath=True)
+@lowering("aten::lerp.Scalar", "aten::lerp.Tensor", promote=True, opmath=True,
+          validate=_floating_only("lerp_kernel"))
 def lerp(x, end, weight):
     # PyTorch's formula: exact at weight 0 and 1 from either side.
     return jnp.where(jnp.abs(weight) < 0.5, x + weight * (end - x), end - (end - x) * (1 - weight))
@@ -163,8 +214,8 @@ def _unary(name, fn):
 
 
 def digamma(x):
-    # PyTorch defines digamma(0) = -inf (the limit from the right); SciPy's gives NaN.
-    return jnp.where(x == 0, -jnp.inf, jax.scipy.special.digamma(x))
+    # PyTorch defines digamma(+-0) = -+inf (the limits towards zero); SciPy's gives NaN.
+    return jnp.where(x == 0, jnp.copysign(jnp.inf, -x), jax.scipy.special.digamma(x))
 
 
 for _name, _fn in {
@@ -247,6 +298,23 @@ def logical_or(x, y):
 @lowering("aten::logical_xor.default")
 def logical_xor(x, y):
     return jnp.logical_xor(x, y)
+
+
+def _check_heaviside(x, values):
+    if x.dtype != values.dtype:
+        raise RuntimeError("heaviside is not yet implemented for tensors with different dtypes.")
+
+
+@lowering("aten::heaviside.default", validate=_check_heaviside)
+def heaviside(x, values):
+    return jnp.where(x == 0, values, (x > 0).astype(x.dtype))
+
+
+# PyTorch's shifts: a count past the width (or negative) gives 0, or the sign for a right shift
+# of a negative number, as XLA's shifts do.
+for _name, _fn in {"__lshift__": jnp.left_shift, "__ilshift__": jnp.left_shift,
+                   "__rshift__": jnp.right_shift, "__irshift__": jnp.right_shift}.items():
+    lowering(f"aten::{_name}.Tensor", f"aten::{_name}.Scalar", promote=True)(_fn)
 
 
 @lowering("aten::bitwise_not.default")
