@@ -232,3 +232,4 @@ def _triangle_indices(np_fn):
 lowering("aten::tril_indices.default")(_triangle_indices(np.tril_indices))
 lowering("aten::triu_indices.default")(_triangle_indices(np.triu_indices))
 
+

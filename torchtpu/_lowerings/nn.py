@@ -841,9 +841,9 @@ def _ctc_labels(targets, target_lengths):
     lengths = [int(n) for n in target_lengths]
     width = max(lengths, default=0)
     if targets.ndim == 2:
-        return targets[:, :max(width, 1)] if width else jnp.zeros((len(lengths), 1), targets.dtype)
+        return targets[:, :width]
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    index = np.minimum(starts[:, None] + np.arange(max(width, 1)),
+    index = np.minimum(starts[:, None] + np.arange(width),
                        max(targets.shape[0] - 1, 0))
     return targets[index] if targets.shape[0] else jnp.zeros(index.shape, targets.dtype)
 
@@ -879,8 +879,9 @@ def _ctc_forward(log_probs, targets, input_lengths, target_lengths, blank):
     first = jnp.where((s_idx[None, :] == 1) & (tl[:, None] == 0), neg, first)
 
     def step(alpha, t):
-        prev1 = jnp.concatenate([jnp.full((bsz, 1), neg), alpha[:, :-1]], axis=1)
-        prev2 = jnp.concatenate([jnp.full((bsz, 2), neg), alpha[:, :-2]], axis=1)
+        # alpha shifted right by one and two states (s_len may be 1: empty targets)
+        prev1 = jnp.concatenate([jnp.full((bsz, 1), neg), alpha], axis=1)[:, :s_len]
+        prev2 = jnp.concatenate([jnp.full((bsz, 2), neg), alpha], axis=1)[:, :s_len]
         prev2 = jnp.where(skip, prev2, neg)
         new = _logaddexp(_logaddexp(alpha, prev1), prev2) + emit(t)
         new = jnp.where(valid_s, new, neg)
