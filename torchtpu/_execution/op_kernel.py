@@ -10,6 +10,7 @@ For each registered overload a PrivateUse1 kernel turns the call into
 Nothing is committed before the executable returned (and its index checks passed), so a
 failing op leaves every tensor as it was.
 """
+import os
 import threading
 
 import jax
@@ -315,9 +316,9 @@ class OpKernel:
         else:
             try:
                 meta_out = self.overload(*pos, **kw)
-            except AssertionError as e:
-                # Some of PyTorch's Python meta kernels assert where its C++ kernels raise
-                # RuntimeError (TORCH_CHECK).
+            except (AssertionError, TypeError) as e:
+                # Some of PyTorch's Python meta kernels assert (or trip over their own checks)
+                # where its C++ kernels raise RuntimeError (TORCH_CHECK).
                 raise RuntimeError(str(e)) from e
             self._resize_outs(vals, pos, kw)
             overlap.check(self, vals, resized=True)
@@ -398,6 +399,8 @@ class OpKernel:
             except _TORCH_ERRORS:
                 raise
             except Exception as e:
+                if isinstance(e, IndexError) and not _raised_by_jax(e):
+                    raise
                 raise _as_torch_error(e, self.overload) from e
             checks = registry._trace_state.checks
             registry._trace_state.checks = []
@@ -518,9 +521,16 @@ class OpKernel:
         return self._commit(compiled, vals, outs, updated, buffers, device)
 
 
-# Errors PyTorch's kernels raise themselves; anything else a lowering raises comes from JAX
-# refusing the input (a dtype, a shape) and becomes the type PyTorch would raise.
-_TORCH_ERRORS = (RuntimeError, IndexError, NotImplementedError)
+# Errors the lowerings raise as PyTorch does; anything else a lowering raises comes from JAX
+# refusing the input (a dtype, a shape, an empty axis) and becomes the type PyTorch would raise.
+_TORCH_ERRORS = (RuntimeError, NotImplementedError)
+
+
+def _raised_by_jax(e):
+    tb = e.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return f"{os.sep}jax{os.sep}" in tb.tb_frame.f_code.co_filename
 
 
 def _as_torch_error(e, overload):

@@ -63,6 +63,8 @@ def from_host(cpu, index):
 
 
 def _copy_(self, src, non_blocking=False):
+    if not isinstance(src, torch.Tensor):  # a Python number, as PyTorch's copy_ accepts
+        src = torch.tensor(src)
     if self.device.type != "tpu":  # device -> host
         if self.numel() == 0 and src.numel() == 0:
             return self

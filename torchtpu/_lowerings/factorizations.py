@@ -20,6 +20,8 @@ def _info(a):
 def _first(bad):
     """LAPACK's info: the 1-based position of the first True along the last axis, else 0."""
     n = bad.shape[-1]
+    if n == 0:
+        return jnp.zeros(bad.shape[:-1], jnp.int32)
     pos = jnp.min(jnp.where(bad, jnp.arange(1, n + 1), n + 1), axis=-1)
     return jnp.where(pos > n, 0, pos).astype(jnp.int32)
 
@@ -103,7 +105,7 @@ def linalg_cholesky_ex(a, upper=False, check_errors=False):
     # XLA's factor of a matrix that is not positive-definite is all NaN; only then is LAPACK's
     # info (the order of the first leading minor that is not positive-definite) worked out.
     failed = ~jnp.all(jnp.real(jnp.diagonal(l, axis1=-2, axis2=-1)) > 0)
-    info = lax.cond(failed, _cholesky_info, lambda m: _info(m), a)
+    info = lax.cond(failed, _cholesky_info, _info, a) if a.shape[-1] else _info(a)
     _check_info(info, check_errors, "linalg.cholesky: The input is not positive-definite.")
     if upper:
         l = jnp.conj(_mT(l))

@@ -4,6 +4,7 @@ import functools
 
 import jax.numpy as jnp
 import numpy as np
+import torch
 
 from .._core.registry import check, lowering
 
@@ -133,6 +134,8 @@ def scatter_reduce(x, dim, index, src, reduce, include_self=True):
 def _check_index_add(x, dim, index, source, alpha=1):
     # PyTorch's CPU kernel checks these; its meta kernel does not.
     if x.dim() == 0 or source.dim() == 0:
+        if source.dim() > x.dim():
+            _source_shape_mismatch(x, source)
         return
     dim %= x.dim()
     if index.numel() != source.shape[dim]:
@@ -140,17 +143,24 @@ def _check_index_add(x, dim, index, source, alpha=1):
                            f"source.size(dim): ({source.shape[dim]}), for dim: {dim}")
     if source.dim() != x.dim() or any(
             source.shape[d] != x.shape[d] for d in range(x.dim()) if d != dim):
-        raise RuntimeError(
-            "source tensor shape must match self tensor shape, excluding the specified dimension. "
-            f"Got self.shape = {list(x.shape)} source.shape = {list(source.shape)}")
+        _source_shape_mismatch(x, source)
+
+
+def _source_shape_mismatch(x, source):
+    raise RuntimeError(
+        "source tensor shape must match self tensor shape, excluding the specified dimension. "
+        f"Got self.shape = {list(x.shape)} source.shape = {list(source.shape)}")
 
 
 @lowering("aten::index_add.default", validate=_check_index_add)
 @_bool_via_int(0, 3)
 def index_add(x, dim, index, source, alpha=1):
     size = x.shape[dim] if x.ndim else 1
-    check_index(index, size, f"index is out of bounds for dimension {dim} with size {size}",
-                RuntimeError, negative=False)
+    if x.ndim <= 1:  # the CPU's one-dimensional kernel
+        check_index(index, size, "index out of range in self", negative=False)
+    else:
+        check_index(index, size, f"index is out of bounds for dimension {dim} with size {size}",
+                    RuntimeError, negative=False)
     if x.ndim == 0:
         return x + alpha * source.reshape(())
     moved = jnp.moveaxis(x, dim, 0)
@@ -219,7 +229,12 @@ def nonzero(x):
         jnp.zeros((1 if bool(x) else 0, 0), jnp.int64)
 
 
-@lowering("aten::masked_select.default", eager=True)
+def _check_masked_select(x, mask):
+    if mask.dtype != torch.bool:
+        raise RuntimeError("masked_select: expected BoolTensor for mask")
+
+
+@lowering("aten::masked_select.default", eager=True, validate=_check_masked_select)
 def masked_select(x, mask):
     x, mask = jnp.broadcast_arrays(x, mask)
     return x[mask]

@@ -59,6 +59,8 @@ def fma(a, b, c):
 def _check_relu(x):
     if x.dtype == torch.bool:
         raise RuntimeError("Boolean inputs not supported for relu")
+    if x.is_complex():
+        raise NotImplementedError("\"clamp_min_cpu\" not implemented for 'ComplexFloat'")
 
 
 @lowering("aten::relu.default", validate=_check_relu)
@@ -298,6 +300,8 @@ def binary_cross_entropy(x, target, weight=None, reduction=1):
     # The CPU kernel's check of the values (CUDA's is a device assert).
     check(jnp.all((x >= 0) & (x <= 1)), "all elements of input should be between 0 and 1",
           RuntimeError)
+    check(jnp.all((target >= 0) & (target <= 1)),
+          "all elements of target should be between 0 and 1", RuntimeError)
     # PyTorch clamps the logs at -100 so that a 0 or 1 gives a finite loss.
     loss = (target - 1) * jnp.maximum(jnp.log1p(-x), -100) - target * jnp.maximum(jnp.log(x), -100)
     if weight is not None:

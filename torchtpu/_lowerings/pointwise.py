@@ -5,8 +5,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from .._core.registry import lowering
-from .meta import dtype_name
+from .._core.registry import check, lowering
 
 
 def _not_complex(name):
@@ -14,16 +13,6 @@ def _not_complex(name):
         if x.is_complex() or (isinstance(y, torch.Tensor) and y.is_complex()):
             raise RuntimeError(f"{name} not implemented for complex tensors.")
     return validate
-
-
-def _floating_only(kernel):
-    """The CPU kernel `kernel` has code for floating and complex dtypes only."""
-    def validate(x, *rest):
-        if not (x.is_floating_point() or x.is_complex()):
-            raise NotImplementedError(f'"{kernel}" not implemented for \'{dtype_name(x.dtype)}\'')
-    return validate
-
-# --- arithmetic ----------------------------------------------------------------------------
 
 
 @lowering("aten::add.Tensor", "aten::add.Scalar", promote=True)
@@ -56,6 +45,7 @@ def div_mode(x, y, rounding_mode=None):
     if rounding_mode is None:
         return x / y
     if jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer):
+        _check_nonzero(y)
         if rounding_mode == "floor":
             return jnp.floor_divide(x, y)
         x, y = jnp.broadcast_arrays(x, jnp.asarray(y, jnp.asarray(x).dtype))
@@ -64,6 +54,11 @@ def div_mode(x, y, rounding_mode=None):
     if rounding_mode == "floor":
         return floor_divide_float(x, y)
     return jnp.trunc(x / y)
+
+
+def _check_nonzero(y):
+    """Integer division by zero raises on the CPU (CUDA returns garbage)."""
+    check(jnp.all(jnp.asarray(y) != 0), "ZeroDivisionError", RuntimeError)
 
 
 def floor_divide_float(x, y):
@@ -91,11 +86,15 @@ def floor_divide(x, y):
 
 @lowering("aten::remainder.Tensor", "aten::remainder.Scalar", promote=True)
 def remainder(x, y):
+    if jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer):
+        _check_nonzero(y)
     return jnp.remainder(x, y)
 
 
 @lowering("aten::fmod.Tensor", "aten::fmod.Scalar", promote=True)
 def fmod(x, y):
+    if jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer):
+        _check_nonzero(y)
     return jnp.fmod(x, y)
 
 
@@ -198,8 +197,7 @@ def addcdiv(x, a, b, value=1):
     return x + value * a / b
 
 
-@lowering("aten::lerp.Scalar", "aten::lerp.Tensor", promote=True, opmath=True,
-          validate=_floating_only("lerp_kernel"))
+@lowering("aten::lerp.Scalar", "aten::lerp.Tensor", promote=True, opmath=True)
 def lerp(x, end, weight):
     # PyTorch's formula: exact at weight 0 and 1 from either side.
     return jnp.where(jnp.abs(weight) < 0.5, x + weight * (end - x), end - (end - x) * (1 - weight))
@@ -315,6 +313,9 @@ def heaviside(x, values):
 for _name, _fn in {"__lshift__": jnp.left_shift, "__ilshift__": jnp.left_shift,
                    "__rshift__": jnp.right_shift, "__irshift__": jnp.right_shift}.items():
     lowering(f"aten::{_name}.Tensor", f"aten::{_name}.Scalar", promote=True)(_fn)
+for _name, _fn in {"bitwise_left_shift": jnp.left_shift, "bitwise_right_shift": jnp.right_shift}.items():
+    lowering(f"aten::{_name}.Tensor", f"aten::{_name}.Tensor_Scalar",
+             f"aten::{_name}.Scalar_Tensor", promote=True)(_fn)
 
 
 @lowering("aten::bitwise_not.default")
@@ -434,4 +435,5 @@ def gcd(x, y):
 @lowering("aten::lcm.default", promote=True)
 def lcm(x, y):
     return jnp.lcm(x, y)
+
 

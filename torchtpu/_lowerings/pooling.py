@@ -120,7 +120,15 @@ def _adaptive_avg3d_in_half(x, output_size):
     return round_to(total / count, x.dtype).astype(x.dtype)
 
 
-@lowering("aten::_adaptive_avg_pool2d.default")
+def _check_adaptive_avg_pool2d(x, output_size):
+    for d in range(1 if x.dim() == 4 else 0, x.dim()):
+        if x.shape[d] == 0:
+            raise RuntimeError(
+                "adaptive_avg_pool2d(): Expected input to have non-zero size for non-batch "
+                f"dimensions, but input has sizes {list(x.shape)} with dimension {d} being empty")
+
+
+@lowering("aten::_adaptive_avg_pool2d.default", validate=_check_adaptive_avg_pool2d)
 def adaptive_avg_pool2d(x, output_size):
     if 0 in output_size:  # an empty result (PyTorch's decomposition would divide by zero)
         return jnp.zeros(x.shape[:-2] + tuple(output_size), x.dtype)

@@ -125,3 +125,4 @@ for _name, _fn in {
     "special_spherical_bessel_j0": lambda x: jnp.where(x == 0, 1.0, jnp.sin(x) / jnp.where(x == 0, 1.0, x)),
 }.items():
     _unary(_name, _fn)
+
