@@ -583,7 +583,7 @@ def _unchanged(copies):
             now = t.cpu()
         except Exception:  # noqa: BLE001 - an unreadable tensor lost its value
             return False
-        bits = lambda v: v.reshape(-1).view(torch.uint8) if v.numel() and v.dim() else v
+        bits = lambda v: v.reshape(-1).view(torch.uint8) if v.numel() else v  # NaN == NaN
         if not torch.equal(bits(now), bits(original)):
             return False
     return True

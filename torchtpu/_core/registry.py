@@ -46,6 +46,9 @@ class Lowering:
     # every mode: raises PyTorch's error for input its kernel rejects but its meta kernel lets
     # through, without a device round trip.
     validate: Callable = None
+    # The out= variant takes only an out of the result's own dtype (the CPU kernel refuses to
+    # cast, e.g. neg, round); other out= variants take any dtype the result can be cast to.
+    exact_out: bool = False
 
 
 def overload_of(name):

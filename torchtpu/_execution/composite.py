@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from .._core.dtypes import to_torch_dtype
 from .._lowerings.batch_norm import _stats_dtype
+from .._lowerings.factories import _check_arange
 from .kernels import kernel_for
 
 aten = torch.ops.aten
@@ -95,6 +96,7 @@ def _rrelu_with_noise(x, noise, lower=1.0 / 8, upper=1.0 / 3, training=False, ge
 # fill it in order (a (2, 2) view stays a (2, 2) view); the meta kernel, like other ops', would
 # resize it to one dimension.
 def _arange_out(start, end, step=1, *, out):
+    _check_arange(start, end, step, out.dtype)
     n = torch.arange(start, end, step, dtype=out.dtype, device="meta").numel()
     kernel = kernel_for(aten.arange.start_out)
     if out.numel() != n or out.dim() == 1:

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 from .._core import runtime, storage
 from .._core.dtypes import to_jax_dtype, to_torch_dtype
 from .._core import registry
+from .._lowerings.meta import dtype_name
 from . import debug, fused, modes, overlap, strided, sync
 from .._core import metrics
 from .random import next_key_parts, key_from_parts
@@ -314,6 +315,7 @@ class OpKernel:
         if self.low.eager:
             meta_out = None
         else:
+            self._check_out_dtypes(vals, pos, kw)
             try:
                 meta_out = self.overload(*pos, **kw)
             except (AssertionError, TypeError) as e:
@@ -427,6 +429,25 @@ class OpKernel:
         compiled.fn = run if low.eager else jax.jit(run)
         compiled.check_info = check_info
         return compiled
+
+    def _check_out_dtypes(self, vals, pos, kw):
+        """PyTorch's rules for an out= of another dtype than the result's, which the meta
+        kernels do not all apply (JAX would cast anything)."""
+        if self.functional is None:
+            return
+        try:
+            results = self._functional_dtypes(pos, kw)
+        except Exception:  # noqa: BLE001 - the meta kernel raises PyTorch's error just after
+            return
+        outs = [t for a, v in zip(self.args, vals) if a.is_out and v is not None
+                for t in (v if isinstance(v, (list, tuple)) else [v])]
+        for out, dtype in zip(outs, results):
+            dtype = to_torch_dtype(dtype)
+            if self.low.exact_out and out.dtype != dtype:
+                raise RuntimeError(f"Found dtype {dtype_name(out.dtype)} but expected {dtype_name(dtype)}")
+            if not torch.can_cast(dtype, out.dtype):
+                raise RuntimeError(f"result type {dtype_name(dtype)} can't be cast to the desired "
+                                   f"output type {dtype_name(out.dtype)}")
 
     def _functional_dtypes(self, pos, kw):
         """Dtypes of the functional overload's results (out= arguments are keyword-only)."""

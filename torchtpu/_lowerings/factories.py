@@ -9,7 +9,13 @@ from .._core.registry import check, lowering
 from .meta import dtype_name
 
 
-@lowering("aten::arange.start_step", "aten::arange.start_out", static=("start", "end", "step"))
+def _check_arange(start, end, step=1, dtype=None, *rest):
+    if dtype is not None and dtype.is_complex:
+        raise NotImplementedError(f'"arange_cpu" not implemented for \'{dtype_name(dtype)}\'')
+
+
+@lowering("aten::arange.start_step", "aten::arange.start_out", static=("start", "end", "step"),
+          validate=_check_arange)
 def arange(start, end, step=1, dtype=None, layout=None, device=None, pin_memory=None):
     # Boolean bounds count as integers (XLA has no boolean iota); the output takes the op's dtype.
     start, end, step = (int(v) if isinstance(v, bool) else v for v in (start, end, step))
@@ -231,5 +237,3 @@ def _triangle_indices(np_fn):
 
 lowering("aten::tril_indices.default")(_triangle_indices(np.tril_indices))
 lowering("aten::triu_indices.default")(_triangle_indices(np.triu_indices))
-
-

@@ -101,7 +101,7 @@ def linalg_inv_ex(a, check_errors=False):
 
 @lowering("aten::linalg_cholesky_ex.default")
 def linalg_cholesky_ex(a, upper=False, check_errors=False):
-    l = jnp.linalg.cholesky(a)
+    l = jnp.linalg.cholesky(a, symmetrize_input=False)  # the lower triangle alone, as LAPACK
     # XLA's factor of a matrix that is not positive-definite is all NaN; only then is LAPACK's
     # info (the order of the first leading minor that is not positive-definite) worked out.
     failed = ~jnp.all(jnp.real(jnp.diagonal(l, axis1=-2, axis2=-1)) > 0)

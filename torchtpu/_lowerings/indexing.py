@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from .._core.registry import check, lowering
+from .meta import dtype_name
 
 
 def _torch_dtype_name(dtype):
@@ -133,6 +134,9 @@ def scatter_reduce(x, dim, index, src, reduce, include_self=True):
 
 def _check_index_add(x, dim, index, source, alpha=1):
     # PyTorch's CPU kernel checks these; its meta kernel does not.
+    if source.dtype != x.dtype:
+        raise RuntimeError(f"index_add_(): self ({dtype_name(x.dtype)}) and source "
+                           f"({dtype_name(source.dtype)}) must have the same scalar type")
     if x.dim() == 0 or source.dim() == 0:
         if source.dim() > x.dim():
             _source_shape_mismatch(x, source)
@@ -195,7 +199,14 @@ def index(x, indices):
     return x[_advanced_index(x, indices)]
 
 
-@lowering("aten::index_put.default")
+def _check_index_put(x, indices, values, *rest):
+    if values.dtype != x.dtype:
+        raise RuntimeError("Index put requires the source and destination dtypes match, got "
+                           f"{dtype_name(x.dtype)} for the destination and {dtype_name(values.dtype)} "
+                           "for the source.")
+
+
+@lowering("aten::index_put.default", validate=_check_index_put)
 @_bool_via_int(0, 2)
 def index_put(x, indices, values, accumulate=False, unsafe=False):
     idx = _advanced_index(x, indices)
@@ -203,7 +214,24 @@ def index_put(x, indices, values, accumulate=False, unsafe=False):
     return x.at[idx].add(values) if accumulate else x.at[idx].set(values)
 
 
-lowering("aten::_index_put_impl_.default")(index_put)
+lowering("aten::_index_put_impl_.default", validate=_check_index_put)(index_put)
+
+
+def _check_index_copy(x, dim, index, source):
+    if source.dtype != x.dtype:
+        raise RuntimeError(f"index_copy_(): self and source expected to have the same dtype, but got "
+                           f"(self) {dtype_name(x.dtype)} and (source) {dtype_name(source.dtype)}")
+
+
+@lowering("aten::index_copy.default", validate=_check_index_copy)
+def index_copy(x, dim, index, source):
+    size = x.shape[dim] if x.ndim else 1
+    check_index(index, size, f"index_copy_(): index out of bounds for dimension {dim} with size "
+                f"{size}", negative=False)
+    if x.ndim == 0:
+        return jnp.reshape(source, ())
+    src = jnp.moveaxis(source, dim, 0) if source.ndim else source
+    return jnp.moveaxis(jnp.moveaxis(x, dim, 0).at[index].set(src), 0, dim)
 
 
 @lowering("aten::masked_scatter.default", eager=True)
@@ -310,7 +338,12 @@ def nonzero_static(x, size, fill_value=-1):
     return jnp.stack(found, axis=1).astype(jnp.int64)
 
 
-@lowering("aten::put.default")
+def _check_put(x, index, source, accumulate=False):
+    if x.numel() == 0 and index.numel():
+        raise IndexError("put_(): Tried to put elements into an empty tensor")
+
+
+@lowering("aten::put.default", validate=_check_put)
 @_bool_via_int(0, 2)
 def put(x, index, source, accumulate=False):
     check_index(index, max(x.size, 1), "out of range: tried to access index")

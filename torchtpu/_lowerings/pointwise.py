@@ -192,7 +192,18 @@ def addcmul(x, a, b, value=1):
     return x + value * a * b
 
 
-@lowering("aten::addcdiv.default", promote=True, opmath=True)
+def _check_addcdiv(x, a, b, value=1):
+    if not any(t.is_floating_point() or t.is_complex() for t in (a, b)):
+        raise RuntimeError(
+            "Integer division with addcdiv is no longer supported, and in a future  release "
+            "addcdiv will perform a true division of tensor1 and tensor2. The historic addcdiv "
+            "behavior can be implemented as (input + value * torch.trunc(tensor1 / tensor2))."
+            "to(input.dtype) for integer inputs and as (input + value * tensor1 / tensor2) for "
+            "float inputs. The future addcdiv behavior is just the latter implementation: "
+            "(input + value * tensor1 / tensor2), for all dtypes.")
+
+
+@lowering("aten::addcdiv.default", promote=True, opmath=True, validate=_check_addcdiv)
 def addcdiv(x, a, b, value=1):
     return x + value * a / b
 

@@ -65,8 +65,16 @@ refuse(("complex",), "aten::max.default", "aten::max.dim", "aten::min.default", 
        "aten::amax.default", "aten::amin.default", "aten::aminmax.default", "aten::median.default",
        "aten::median.dim", "aten::nanmedian.default", "aten::nanmedian.dim",
        "aten::cummax.default", "aten::kthvalue.default")
-refuse(("complex",), "aten::argmax.default", "aten::argmin.default", "aten::sort.default",
-       "aten::sort.stable", "aten::topk.default", "aten::nansum.default", exc=RuntimeError)
+refuse(("bool", "complex"), "aten::argmax.default", "aten::argmin.default", exc=RuntimeError)
+refuse(("complex",), "aten::sort.default", "aten::sort.stable", "aten::topk.default",
+       "aten::nansum.default", exc=RuntimeError)
+refuse(("bool",), "aten::convolution.default")
 refuse(("bool", "int", "complex"), "aten::_softmax.default", "aten::_log_softmax.default",
        empty=False)
 refuse(("bool", "int", "complex"), "aten::igamma.default", "aten::igammac.default", arity=2)
+
+for _name in ("neg.default", "round.default", "round.decimals", "bitwise_not.default", "frac.default",
+              "nan_to_num.default"):
+    TABLE[overload_of("aten::" + _name)].exact_out = True
+refuse(("bool",), "aten::addcmul.default")
+refuse(("bool", "int"), "aten::uniform_.default", "aten::normal_.default")
