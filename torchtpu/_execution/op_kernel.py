@@ -318,9 +318,9 @@ class OpKernel:
             self._check_out_dtypes(vals, pos, kw)
             try:
                 meta_out = self.overload(*pos, **kw)
-            except (AssertionError, TypeError) as e:
-                # Some of PyTorch's Python meta kernels assert (or trip over their own checks)
-                # where its C++ kernels raise RuntimeError (TORCH_CHECK).
+            except (AssertionError, TypeError, ValueError, ZeroDivisionError) as e:
+                # Some of PyTorch's Python meta kernels assert (or trip over their own checks,
+                # or divide by a zero stride) where its C++ kernels raise RuntimeError.
                 raise RuntimeError(str(e)) from e
             self._resize_outs(vals, pos, kw)
             overlap.check(self, vals, resized=True)
