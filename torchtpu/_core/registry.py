@@ -99,6 +99,19 @@ def functional_of(overload):
     return None
 
 
+def inplace_functional_of(overload):
+    """The functional overload of a single-result in-place overload (add_.Tensor -> add.Tensor)."""
+    schema = overload._schema
+    ns, base = schema.name.split("::")
+    if not base.endswith("_") or base.startswith("_") or len(schema.returns) != 1:
+        return None
+    packet = getattr(getattr(torch.ops, ns), base[:-1], None)
+    functional = getattr(packet, schema.overload_name or "default", None) if packet else None
+    if functional is None or _arg_signature(functional._schema) != _arg_signature(schema):
+        return None
+    return functional
+
+
 def lowering(*names, **options):
     """Register `fn` as the lowering of each named functional overload (and its variants)."""
     def deco(fn):

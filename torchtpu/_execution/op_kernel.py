@@ -94,6 +94,7 @@ class OpKernel:
         self.writes = [i for i, a in enumerate(self.args) if a.is_write]
         self.returns = schema.returns
         self.functional = registry.functional_of(overload)
+        self.inplace_of = registry.inplace_functional_of(overload)
         self.cache = {}
         self.lock = threading.Lock()
         self.metric_key = f"op::{overload}"
@@ -112,7 +113,10 @@ class OpKernel:
             return self._call(args, kwargs)
         except _OutResized as resized:
             try:
-                return self._call(args, kwargs)
+                result = self._call(args, kwargs)
+                if modes.fused and not self.low.eager:
+                    fused.note_resized(resized.args[0])
+                return result
             except BaseException:
                 # A failing op leaves its out= as it was (PyTorch checks before resizing).
                 for t, shape, stride, offset in resized.args[0]:
@@ -427,12 +431,27 @@ class OpKernel:
 
         compiled.run = run
         compiled.fn = run if low.eager else jax.jit(run)
+        if modes.fused and not low.eager and write_targets and all(b.dtype is not None for b in buffers):
+            # Fused mode traces an op when its segment runs; an in-place or out= op is traced
+            # abstractly here once, so that an input JAX refuses raises at the call, before the
+            # op's targets (an out= resized by PyTorch's rules) are committed.
+            jax.eval_shape(run, *[jax.ShapeDtypeStruct((b.nbytes // jnp.dtype(b.dtype).itemsize,),
+                                                        b.dtype) for b in buffers], *scalars)
         compiled.check_info = check_info
         return compiled
 
     def _check_out_dtypes(self, vals, pos, kw):
         """PyTorch's rules for an out= of another dtype than the result's, which the meta
         kernels do not all apply (JAX would cast anything)."""
+        if self.inplace_of is not None:  # add_ and the like: self takes the result
+            try:
+                dtype = self.inplace_of(*pos, **kw).dtype
+            except Exception:  # noqa: BLE001 - the meta kernel raises PyTorch's error just after
+                return
+            if not torch.can_cast(dtype, vals[0].dtype):
+                raise RuntimeError(f"result type {dtype_name(dtype)} can't be cast to the desired "
+                                   f"output type {dtype_name(vals[0].dtype)}")
+            return
         if self.functional is None:
             return
         try:

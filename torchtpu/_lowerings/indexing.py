@@ -160,6 +160,8 @@ def _source_shape_mismatch(x, source):
 @_bool_via_int(0, 3)
 def index_add(x, dim, index, source, alpha=1):
     size = x.shape[dim] if x.ndim else 1
+    if x.size == 0:  # the CPU kernel returns before looking at the indices
+        return x
     if x.ndim <= 1:  # the CPU's one-dimensional kernel
         check_index(index, size, "index out of range in self", negative=False)
     else:
@@ -177,7 +179,7 @@ def index_fill(x, dim, index, value):
     size = x.shape[dim] if x.ndim else 1
     check_index(index, size, "index out of range in self")
     if x.ndim == 0:
-        return jnp.asarray(value, x.dtype)
+        return jnp.asarray(value, x.dtype) if index.size else x
     moved = jnp.moveaxis(x, dim, 0)
     return jnp.moveaxis(moved.at[_wrap(index, size)].set(jnp.asarray(value, x.dtype)), 0, dim)
 
@@ -339,6 +341,9 @@ def nonzero_static(x, size, fill_value=-1):
 
 
 def _check_put(x, index, source, accumulate=False):
+    if source.numel() != index.numel():
+        raise IndexError("put_(): Expected source and index to have the same number of elements, "
+                         f"but got source.numel() = {source.numel()}, index.numel() = {index.numel()}")
     if x.numel() == 0 and index.numel():
         raise IndexError("put_(): Tried to put elements into an empty tensor")
 

@@ -6,6 +6,7 @@ import torch
 from jax import lax
 
 from .._core.registry import check, lowering
+from .meta import _c10_name
 
 
 def _not_complex(name):
@@ -397,7 +398,13 @@ def zero(x):
     return jnp.zeros_like(x)
 
 
-@lowering("aten::masked_fill.Scalar", "aten::masked_fill.Tensor")
+def _check_masked_fill(x, mask, value):
+    if mask.dtype != torch.bool:
+        raise RuntimeError(f"masked_fill_ only supports boolean masks, but got mask with dtype "
+                           f"{_c10_name(mask.dtype)}")
+
+
+@lowering("aten::masked_fill.Scalar", "aten::masked_fill.Tensor", validate=_check_masked_fill)
 def masked_fill(x, mask, value):
     return jnp.where(mask, jnp.asarray(value).astype(x.dtype), x)
 

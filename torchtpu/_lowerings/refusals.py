@@ -78,3 +78,6 @@ for _name in ("neg.default", "round.default", "round.decimals", "bitwise_not.def
     TABLE[overload_of("aten::" + _name)].exact_out = True
 refuse(("bool",), "aten::addcmul.default")
 refuse(("bool", "int"), "aten::uniform_.default", "aten::normal_.default")
+refuse(("bool", "int"), "aten::_adaptive_avg_pool2d.default", "aten::_adaptive_avg_pool3d.default")
+refuse(("bool", "int"), "aten::var.correction", "aten::std.correction", "aten::var_mean.correction",
+       "aten::std_mean.correction", exc=RuntimeError)
