@@ -250,7 +250,7 @@ def _indexing(g):
     if name in ("index_add", "index_copy"):
         idx = g.index(size)
         shape = list(x.shape) or [1]
-        if x.dim():
+        if -x.dim() <= d < x.dim():
             shape[d] = idx.numel()
         src = g.tensor(shape if g.chance(0.8) else g.shape(), x.dtype if g.chance(0.8) else g.dtype())
         return name, getattr(torch, name), (x, d, idx, src), {}, False
@@ -676,6 +676,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seconds", type=float, default=60.0, help="stop after this long")
     p.add_argument("--calls", type=int, default=None, help="stop after this many calls")
+    p.add_argument("--start", type=int, default=0, help="the first call's number (to resume)")
     p.add_argument("--modes", default="strict,fused,debug")
     p.add_argument("--call-timeout", type=float, default=120.0)
     p.add_argument("--quiet", action="store_true", help="counts only, not the offending calls")
@@ -684,8 +685,8 @@ def main(argv=None):
     deadline = time.time() + a.seconds
     counts = {m: collections.Counter() for m in modes}
     offending = []
-    i = 0
-    limit = a.calls if a.calls is not None else 1 << 62
+    i = a.start
+    limit = a.start + a.calls if a.calls is not None else 1 << 62
     while i < limit and time.time() < deadline:
         cmd = [sys.executable, "-m", "torchtpu.fuzz", "--worker", "--seed", str(a.seed),
                "--start", str(i), "--calls", str(limit - i), "--deadline", str(deadline),
@@ -712,7 +713,10 @@ def main(argv=None):
             offending.append((mode, "crash", label, f"exit status {rc}"))
             i = idx + 1
         elif rc != 0 and i < limit and time.time() < deadline:
-            break  # the worker failed outside any call: do not loop on it
+            # The worker failed outside any call (building call i, or its CPU reference): the
+            # fuzzer's own error, reported and skipped.
+            offending.append((modes[0], "fuzzer_error", f"#{i}", f"exit status {rc}"))
+            i += 1
     _report(counts, offending, a, quiet=a.quiet)
     return 0
 
