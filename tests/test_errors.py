@@ -169,3 +169,172 @@ def test_tensors_with_more_dims_than_numpy_allows_cross_devices():
     t = x.to("tpu")
     assert t.shape == x.shape and torch.equal(t.cpu(), x)
     assert torch.equal((t * 2).cpu(), x * 2)
+
+
+# --- issue 17: bad input as on the CPU ------------------------------------------------------
+import math  # noqa: E402
+
+import torch.nn.functional as F  # noqa: E402
+
+_nan, _inf = math.nan, math.inf
+# Each case runs on both devices from the same inputs: same values, or the same exception type
+# (the tpu's may be a subclass: OutOfMemoryError is a RuntimeError, as on CUDA).
+ISSUE_17_CASES = {
+    # silently wrong where PyTorch raises
+    "scatter_negative_index": lambda d: torch.zeros(1, 3, device=d).scatter_(
+        1, torch.tensor([[0, -2]], device=d), torch.tensor([[5.0, 7.0]], device=d)),
+    "scatter_add_negative_index": lambda d: torch.zeros(1, 3, device=d).scatter_add_(
+        1, torch.tensor([[0, -2]], device=d), torch.tensor([[5.0, 7.0]], device=d)),
+    "gather_negative_index": lambda d: torch.gather(torch.arange(3.0, device=d), 0, torch.tensor([-1], device=d)),
+    "index_select_negative_index": lambda d: torch.arange(3.0, device=d).index_select(0, torch.tensor([-1], device=d)),
+    "embedding_negative_index": lambda d: F.embedding(torch.tensor([-1], device=d), torch.ones(3, 2, device=d)),
+    "mask_of_wrong_shape": lambda d: torch.arange(12.0, device=d).view(4, 3)[torch.tensor([True, False, True], device=d)],
+    "one_hot_negative": lambda d: F.one_hot(torch.tensor([-1, 1], device=d), 3),
+    "cross_entropy_target_minus_1": lambda d: F.cross_entropy(
+        torch.arange(6.0, device=d).view(2, 3), torch.tensor([-1, 1], device=d)),
+    "binary_cross_entropy_of_1_5": lambda d: F.binary_cross_entropy(
+        torch.tensor([1.5], device=d), torch.tensor([1.0], device=d)),
+    "binary_cross_entropy_target_2": lambda d: F.binary_cross_entropy(
+        torch.tensor([0.5], device=d), torch.tensor([2.0], device=d)),
+    "bernoulli_p_2": lambda d: torch.bernoulli(torch.tensor([2.0], device=d)),
+    "bernoulli_float_p_2": lambda d: torch.ones(2, device=d).bernoulli_(2.0),
+    "cholesky_not_positive_definite": lambda d: torch.linalg.cholesky(torch.tensor([[1.0, 2.0], [2.0, 1.0]], device=d)),
+    "inv_singular": lambda d: torch.linalg.inv(torch.zeros(2, 2, device=d)),
+    "solve_singular": lambda d: torch.linalg.solve(torch.zeros(2, 2, device=d), torch.ones(2, device=d)),
+    "inv_ex_check_errors": lambda d: torch.linalg.inv_ex(torch.zeros(2, 2, device=d), check_errors=True),
+    "randint_empty_range": lambda d: torch.randint(0, 0, (3,), device=d),
+    "addmm_float32_float64": lambda d: torch.addmm(torch.zeros(2, 2, device=d), torch.ones(2, 2, device=d),
+                                                   torch.ones(2, 2, dtype=torch.float64, device=d)),
+    "mm_mixed_dtypes": lambda d: torch.ones(2, 2, device=d) @ torch.ones(2, 2, dtype=torch.float64, device=d),
+    "relu_bool": lambda d: torch.relu(torch.ones(2, dtype=torch.bool, device=d)),
+    "eigh_int64": lambda d: torch.linalg.eigh(torch.ones(2, 2, dtype=torch.int64, device=d)),
+    "lerp_int32": lambda d: torch.lerp(torch.ones(2, dtype=torch.int32, device=d),
+                                       torch.ones(2, dtype=torch.int32, device=d), 0.5),
+    "neg_out_wrong_dtype": lambda d: torch.neg(torch.ones(2, device=d), out=torch.empty(2, dtype=torch.int64, device=d)),
+    "round_out_wrong_dtype": lambda d: torch.round(torch.ones(2, device=d), out=torch.empty(2, dtype=torch.int64, device=d)),
+    "nan_to_num_out_wrong_dtype": lambda d: torch.nan_to_num(torch.ones(2, device=d), out=torch.empty(2, dtype=torch.int64, device=d)),
+    "bitwise_not_out_wrong_dtype": lambda d: torch.bitwise_not(torch.ones(2, dtype=torch.int32, device=d),
+                                                               out=torch.empty(2, dtype=torch.bool, device=d)),
+    "heaviside_mixed_dtypes": lambda d: torch.heaviside(torch.ones(2, device=d), torch.ones(2, dtype=torch.float64, device=d)),
+    "maximum_complex": lambda d: torch.maximum(torch.ones(2, dtype=torch.complex64, device=d),
+                                               torch.ones(2, dtype=torch.complex64, device=d)),
+    "minimum_complex": lambda d: torch.minimum(torch.ones(2, dtype=torch.complex64, device=d),
+                                               torch.ones(2, dtype=torch.complex64, device=d)),
+    "ceil_bool": lambda d: torch.ceil(torch.ones(2, dtype=torch.bool, device=d)),
+    "sort_complex": lambda d: torch.sort(torch.ones(2, dtype=torch.complex64, device=d)),
+    "softmax_int": lambda d: torch.softmax(torch.ones(2, dtype=torch.int64, device=d), 0),
+    # CUDA returns garbage for an integer division by zero; the CPU raises, and so does the tpu.
+    "integer_division_by_zero": lambda d: torch.floor_divide(torch.tensor([5], device=d), torch.tensor([0], device=d)),
+    "masked_select_uint8_mask": lambda d: torch.masked_select(torch.ones(2, device=d), torch.ones(2, dtype=torch.uint8, device=d)),
+    "conv_mixed_dtypes": lambda d: F.conv1d(torch.ones(1, 2, 5, dtype=torch.float64, device=d), torch.ones(3, 2, 3, device=d)),
+    # values that differed
+    "sign_nan": lambda d: torch.sign(torch.tensor([_nan, -0.0, 2.0], device=d)),
+    "floor_divide_inf": lambda d: torch.floor_divide(torch.tensor([_inf, -_inf, 7.0, -0.5], device=d),
+                                                     torch.tensor([2.0, 2.0, 0.0, 3.0], device=d)),
+    "div_floor_inf": lambda d: torch.div(torch.tensor([_inf, -_inf], device=d), 2.0, rounding_mode="floor"),
+    "tanh_bf16_out_float32": lambda d: torch.tanh(torch.tensor([0.1234567, 1.7], dtype=torch.bfloat16, device=d),
+                                                  out=torch.empty(2, device=d)),
+    "linspace_0_1_7": lambda d: torch.linspace(0, 1, 7, device=d),
+    "linspace_int": lambda d: torch.linspace(-3, 10, 9, dtype=torch.int64, device=d),
+    "digamma_signed_zero": lambda d: torch.digamma(torch.tensor([-0.0, 0.0], device=d)),
+    "igamma_a_0": lambda d: torch.igamma(torch.tensor([0.0, 0.0], device=d), torch.tensor([1e-30, 2.0], device=d)),
+    "adaptive_avg_pool2d_to_0": lambda d: F.adaptive_avg_pool2d(torch.ones(1, 2, 4, 4, device=d), 0),
+    "ctc_loss_empty_targets": lambda d: F.ctc_loss(
+        torch.arange(15.0, device=d).view(5, 1, 3).log_softmax(2), torch.zeros(1, 0, dtype=torch.long, device=d),
+        torch.tensor([5]), torch.tensor([0])),
+    # types JAX or the meta kernels leaked
+    "bitwise_and_float": lambda d: torch.bitwise_and(torch.ones(2, device=d), torch.ones(2, device=d)),
+    "bitwise_not_bf16_out": lambda d: torch.bitwise_not(torch.ones(2, dtype=torch.bfloat16, device=d),
+                                                        out=torch.zeros((), device=d)),
+    "inplace_broadcast": lambda d: torch.ones(2, device=d).add_(torch.ones(3, 2, device=d)),
+    "setitem_bad_shape": lambda d: torch.ones(4, device=d).__setitem__(torch.tensor([0, 1], device=d), torch.ones(3, device=d)),
+    "inv_1d": lambda d: torch.linalg.inv(torch.ones(3, device=d)),
+    "solve_1d": lambda d: torch.linalg.solve(torch.ones(3, device=d), torch.ones(3, device=d)),
+    "cross_entropy_2d_target": lambda d: F.cross_entropy(torch.ones(2, 3, device=d), torch.zeros(2, 3, dtype=torch.long, device=d)),
+    "conv2d_wrong_channels": lambda d: F.conv2d(torch.ones(1, 2, 4, 4, device=d), torch.ones(3, 3, 3, 3, device=d)),
+    "clamp_without_bounds": lambda d: torch.clamp(torch.ones(2, device=d)),
+    "huge_full": lambda d: torch.full((2 ** 31, 2 ** 31), 1, dtype=torch.uint8, device=d),
+    "huge_zeros": lambda d: torch.zeros(2 ** 62, device=d),
+    # ops that were missing
+    "int32_view_bool": lambda d: torch.tensor([1, 0, 256], dtype=torch.int32, device=d).view(torch.bool),
+    "bool_view_uint8": lambda d: torch.tensor([True, False], device=d).view(torch.uint8),
+    "lshift": lambda d: torch.tensor([1, 2, -3], device=d) << torch.tensor([1, 70, 2], device=d),
+    "rshift": lambda d: torch.tensor([-8, 8], device=d) >> torch.tensor([70, 1], device=d),
+    "floor_divide_": lambda d: torch.tensor([5, -7], device=d).floor_divide_(torch.tensor([2, 2], device=d)),
+    "copy_number": lambda d: torch.ones(2, device=d).copy_(_inf),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ISSUE_17_CASES))
+def test_bad_input_behaves_as_on_the_cpu(case):
+    call = ISSUE_17_CASES[case]
+    try:
+        expected = call("cpu")
+    except Exception as e:  # noqa: BLE001
+        with raises_by_sync(type(e)):
+            call("tpu")
+    else:
+        got = call("tpu")
+        if isinstance(expected, tuple):
+            expected, got = expected[0], got[0]
+        torch.testing.assert_close(got.cpu(), expected, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal((torch.ones(2, device="tpu") * 3).cpu(), torch.full((2,), 3.0))
+
+
+def test_failing_ops_leave_inputs_and_out_unchanged():
+    x = torch.zeros(1, 3, device="tpu")
+    with raises_by_sync(RuntimeError):
+        x.scatter_(1, torch.tensor([[0, -2]], device="tpu"), torch.tensor([[5.0, 7.0]], device="tpu"))
+    assert x.cpu().tolist() == [[0.0, 0.0, 0.0]]
+    out = torch.zeros((), device="tpu")
+    with raises_by_sync(Exception):
+        torch.bitwise_not(torch.ones(2, dtype=torch.bfloat16, device="tpu"), out=out)
+    assert out.shape == () and out.item() == 0.0
+    i = torch.tensor([5, 7], device="tpu")
+    with raises_by_sync(RuntimeError):
+        i.floor_divide_(torch.tensor([1, 0], device="tpu"))
+    assert i.cpu().tolist() == [5, 7]
+
+
+def test_huge_allocations_raise_and_the_device_keeps_working():
+    """XLA aborted the process on an extent product past int64, and the fake storage addresses
+    ran past int64 after a 2**62-element tensor (every later creation failed)."""
+    for size in ((2 ** 31, 2 ** 31), (2 ** 62,), (2 ** 40, 2 ** 20)):
+        with pytest.raises(RuntimeError):
+            torch.zeros(size, dtype=torch.uint8, device="tpu")
+        with pytest.raises(RuntimeError):
+            torch.empty(size, dtype=torch.uint8, device="tpu")
+    assert torch.equal(torch.arange(4, device="tpu").cpu(), torch.arange(4))
+
+
+def test_arange_out_narrow_writes_the_view_in_order():
+    for device in ("cpu", "tpu"):
+        x = torch.zeros(2, 4, device=device)
+        torch.arange(0, 4, out=x.narrow(1, 1, 2))
+        if device == "cpu":
+            expected = x
+        else:
+            assert torch.equal(x.cpu(), expected)
+
+
+def test_uint8_mask_warns_deprecation_as_on_the_cpu():
+    x = torch.arange(3.0, device="tpu")
+    with pytest.warns(UserWarning, match="indexing with dtype torch.uint8 is now deprecated"):
+        r = x[torch.tensor([1, 0, 1], dtype=torch.uint8, device="tpu")]
+    assert r.cpu().tolist() == [0.0, 2.0]
+
+
+def test_cholesky_ex_info_is_lapacks():
+    for a in (torch.tensor([[1.0, 2.0], [2.0, 1.0]]), torch.tensor([[4.0, 1, 0], [1, 3, 1], [0, 1, -1]]),
+              -torch.eye(3), torch.eye(3)):
+        assert torch.linalg.cholesky_ex(a.to("tpu")).info.item() == torch.linalg.cholesky_ex(a).info.item()
+
+
+def test_short_fuzz_run_finds_nothing_wrong(eager_mode):
+    """A seeded run of the bad-input fuzzer (python -m torchtpu.fuzz): no wrong values, no
+    silent successes, no mutated inputs, no unusable device."""
+    from torchtpu import fuzz
+    counts, offending = fuzz.run(seed=17, calls=40, modes=[eager_mode], call_timeout=120)
+    bad = [o for o in offending if o[1] in fuzz.FAILURES]
+    assert sum(counts[eager_mode].values()) == 40
+    assert not bad, bad

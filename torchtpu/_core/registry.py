@@ -58,6 +58,9 @@ class Lowering:
     # every mode: raises PyTorch's error for input its kernel rejects but its meta kernel lets
     # through, without a device round trip.
     validate: Callable = None
+    # The out= variant takes only an out of the result's own dtype (the CPU kernel refuses to
+    # cast, e.g. neg, round); other out= variants take any dtype the result can be cast to.
+    exact_out: bool = False
 
 
 def overload_of(name, missing_ok=False):
@@ -96,6 +99,34 @@ def variants(functional):
         if any(a.is_out for a in s.arguments) and _arg_signature(s, skip_out=True) == sig:
             found.append(ov)
     return found
+
+
+def functional_of(overload):
+    """The functional overload whose results an out= overload stores (None if not out=)."""
+    schema = overload._schema
+    if not any(a.is_out for a in schema.arguments):
+        return None
+    ns, base = schema.name.split("::")
+    packet = getattr(getattr(torch.ops, ns), base)
+    sig = _arg_signature(schema, skip_out=True)
+    for name in packet.overloads():
+        ov = getattr(packet, name)
+        if not any(a.is_out for a in ov._schema.arguments) and _arg_signature(ov._schema) == sig:
+            return ov
+    return None
+
+
+def inplace_functional_of(overload):
+    """The functional overload of a single-result in-place overload (add_.Tensor -> add.Tensor)."""
+    schema = overload._schema
+    ns, base = schema.name.split("::")
+    if not base.endswith("_") or base.startswith("_") or len(schema.returns) != 1:
+        return None
+    packet = getattr(getattr(torch.ops, ns), base[:-1], None)
+    functional = getattr(packet, schema.overload_name or "default", None) if packet else None
+    if functional is None or _arg_signature(functional._schema) != _arg_signature(schema):
+        return None
+    return functional
 
 
 def lowering(*names, **options):

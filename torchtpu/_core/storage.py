@@ -6,6 +6,7 @@ of the storage's elements in memory order; PyTorch keeps that object alive exact
 the storage, so device memory is freed with the last tensor that uses it.
 """
 import functools
+import os
 import threading
 import weakref
 
@@ -184,6 +185,38 @@ def storage_numel(shape, stride, offset=0):
     return offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride))
 
 
+_INT64_MAX = (1 << 63) - 1
+
+
+def _capacity(index):
+    """Bytes one storage on device `index` may hold: the device's limit, or on a platform that
+    reports none (the CPU) the machine's physical memory."""
+    cap = _capacities.get(index)
+    if cap is None:
+        stats = runtime.jax_device(index).memory_stats() or {}
+        cap = int(stats.get("bytes_limit") or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        _capacities[index] = cap
+    return cap
+
+
+_capacities = {}
+
+
+def check_allocation(shape, stride, dtype, index):
+    """Raise PyTorch's error for a storage too large to exist, before anything is allocated or
+    compiled: XLA aborts the process on an extent product past int64, and a fake address past
+    int64 would make every later storage fail."""
+    numel = storage_numel(shape, stride)
+    nbytes = numel * dtype.itemsize
+    if numel > _INT64_MAX or nbytes > _INT64_MAX:
+        raise RuntimeError(f"Storage size calculation overflowed with sizes={list(shape)}")
+    if nbytes > _capacity(index):
+        # CUDA raises torch.OutOfMemoryError (a RuntimeError, as the CPU's allocator error).
+        raise torch.OutOfMemoryError(
+            f"tpu:{index}: tried to allocate {nbytes} bytes, more than the device's "
+            f"capacity of {_capacity(index)} bytes")
+
+
 def _empty_on(index, shape, dtype):
     if index == 0:
         return _create_empty(shape, dtype)
@@ -194,6 +227,8 @@ def wrap(array, shape, stride, dtype, index, nbytes=None, offset=0):
     """A new tpu tensor over a new storage that owns `array` (storage-ordered elements)."""
     if nbytes is None:
         shape = list(shape)
+        if array is None:
+            check_allocation(shape, stride, dtype, index)
         nbytes = storage_numel(shape, stride, offset) * dtype.itemsize
     t = _empty_on(index, shape, dtype)
     storage = new_storage(nbytes, index, array, to_jax_dtype(dtype))

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from .._core.dtypes import to_torch_dtype
 from .._lowerings.batch_norm import _stats_dtype
+from .._lowerings.factories import _check_arange
 from .kernels import kernel_for
 
 aten = torch.ops.aten
@@ -89,6 +90,20 @@ def _rrelu_with_noise(x, noise, lower=1.0 / 8, upper=1.0 / 3, training=False, ge
     return x * slopes
 
 
+# --- arange(out=) --------------------------------------------------------------------------
+
+# PyTorch's range factories keep the shape of an out= that has the right number of elements and
+# fill it in order (a (2, 2) view stays a (2, 2) view); the meta kernel, like other ops', would
+# resize it to one dimension.
+def _arange_out(start, end, step=1, *, out):
+    _check_arange(start, end, step, out.dtype)
+    n = torch.arange(start, end, step, dtype=out.dtype, device="meta").numel()
+    kernel = kernel_for(aten.arange.start_out)
+    if out.numel() != n or out.dim() == 1:
+        return kernel(start, end, step, out=out)
+    return out.copy_(kernel(start, end, step, out=out.new_empty(n)).view(out.shape))
+
+
 def register(lib):
     kernels = {aten.native_batch_norm.default: _with_update,
                aten._native_batch_norm_legit.default: _with_update,
@@ -97,7 +112,8 @@ def register(lib):
                aten.native_layer_norm.default: _native_layer_norm,
                aten._linalg_det.default: _transposed_like_pytorch(aten._linalg_det.default),
                aten._linalg_slogdet.default: _transposed_like_pytorch(aten._linalg_slogdet.default),
-               aten.rrelu_with_noise.default: _rrelu_with_noise}
+               aten.rrelu_with_noise.default: _rrelu_with_noise,
+               aten.arange.start_out: _arange_out}
     for op, kernel in kernels.items():
         lib.impl(op, kernel, "PrivateUse1")
     return set(kernels)

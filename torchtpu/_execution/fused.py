@@ -39,7 +39,7 @@ _EAGER_ROUNDING = {"xla_allow_excess_precision": False}
 
 class _Trace:
     __slots__ = ("device", "signature", "where", "ext_arrays", "ext_ids", "scalars", "pendings",
-                 "captured", "in_backward")
+                 "captured", "in_backward", "resized")
 
     def __init__(self, device):
         self.device = device
@@ -51,6 +51,7 @@ class _Trace:
         self.pendings = []    # per slot
         self.captured = False  # taken over by torch.compile: never flushed
         self.in_backward = False  # recording the ops of a backward pass (the autograd engine's)
+        self.resized = {}  # op index -> the out= tensors it resized, with their old layouts
 
     def flush(self, reason):
         """Run the pending trace: a `Pending` value of this trace is being read."""
@@ -331,6 +332,13 @@ def _first_failed_check(checks):
     return None
 
 
+def note_resized(layouts):
+    """The op just recorded resized its out= tensors (PyTorch's rule, applied at the call): if
+    it fails when its segment runs, they get their old layouts back."""
+    if _trace is not None and _trace.signature:  # else its segment already ran
+        _trace.resized[len(_trace.signature) - 1] = layouts
+
+
 def _replay_and_raise(tr, reason):
     """Something in the segment failed: run its ops one at a time, as strict eager would have,
     keep the results of those before the failing op, and raise that op's error naming it and
@@ -348,7 +356,10 @@ def _replay_and_raise(tr, reason):
             error = debug.attributed(
                 e, kernel.overload, debug.describe_key(compiled.key), where,
                 note=f"\n  (a fused op: it ran when its segment was flushed, because of {reason})")
-            # The failing op's own in-place targets keep the value they had before it.
+            # The failing op's own in-place targets keep the value (and out= the layout) they
+            # had before it.
+            for t, shape, stride, offset in tr.resized.get(i, ()):
+                t.as_strided_(shape, stride, offset)
             n_out = len(compiled.wrap_specs)
             slots.extend([None] * n_out)
             slots.extend(ins[j] for j in compiled.writes)

@@ -1,5 +1,7 @@
 """Boolean-mask indexing (`x[mask]`, `x[mask] = v`): the mask's nonzero() positions decide the
 result's shape, so it synchronises (as on CUDA), then runs the integer-index lowering."""
+import warnings
+
 import torch
 
 from .kernels import kernel_for
@@ -7,7 +9,27 @@ from .kernels import kernel_for
 aten = torch.ops.aten
 
 
-def _integer_indices(indices):
+def _check_masks(x, indices):
+    """PyTorch's checks of mask indices: each mask's shape equals the dims it covers (nonzero()
+    alone would select rows of a mismatched mask), and uint8 masks are deprecated."""
+    d = 0
+    for i in indices:
+        if i is not None and i.dtype in (torch.bool, torch.uint8):
+            if i.dtype == torch.uint8:
+                warnings.warn("indexing with dtype torch.uint8 is now deprecated, please use a "
+                              "dtype torch.bool instead.")
+            for j, n in enumerate(i.shape):
+                if d + j >= x.dim() or x.shape[d + j] != n:
+                    raise IndexError(
+                        f"The shape of the mask {list(i.shape)} at index {j} does not match the "
+                        f"shape of the indexed tensor {list(x.shape)} at index {d + j}")
+            d += i.dim()
+        else:
+            d += 1
+
+
+def _integer_indices(x, indices):
+    _check_masks(x, indices)
     out = []
     for i in indices:
         if i is not None and i.dtype in (torch.bool, torch.uint8):
@@ -26,20 +48,20 @@ def register(lib):
                                     kernel_for(aten.index_put_.default))
 
     def index_kernel(x, indices):
-        return index(x, _integer_indices(indices) if _has_mask(indices) else indices)
+        return index(x, _integer_indices(x, indices) if _has_mask(indices) else indices)
 
     def index_put_kernel(x, indices, values, accumulate=False):
-        return index_put(x, _integer_indices(indices) if _has_mask(indices) else indices, values, accumulate)
+        return index_put(x, _integer_indices(x, indices) if _has_mask(indices) else indices, values, accumulate)
 
     def index_put__kernel(x, indices, values, accumulate=False):
-        return index_put_(x, _integer_indices(indices) if _has_mask(indices) else indices, values, accumulate)
+        return index_put_(x, _integer_indices(x, indices) if _has_mask(indices) else indices, values, accumulate)
 
     lib.impl(aten.index.Tensor, index_kernel, "PrivateUse1")
     lib.impl(aten.index_put.default, index_put_kernel, "PrivateUse1")
     impl = kernel_for(aten._index_put_impl_.default)
 
     def index_put_impl_kernel(x, indices, values, accumulate=False, unsafe=False):
-        return impl(x, _integer_indices(indices) if _has_mask(indices) else indices, values, accumulate, unsafe)
+        return impl(x, _integer_indices(x, indices) if _has_mask(indices) else indices, values, accumulate, unsafe)
 
     lib.impl(aten.index_put_.default, index_put__kernel, "PrivateUse1")
     lib.impl(aten._index_put_impl_.default, index_put_impl_kernel, "PrivateUse1")

@@ -10,6 +10,7 @@ For each registered overload a PrivateUse1 kernel turns the call into
 Nothing is committed before the executable returned (and its index checks passed), so a
 failing op leaves every tensor as it was.
 """
+import os
 import threading
 
 import jax
@@ -20,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 from .._core import runtime, storage
 from .._core.dtypes import to_jax_dtype, to_torch_dtype
 from .._core import registry
+from .._lowerings.meta import dtype_name
 from . import debug, fused, modes, overlap, strided, sync
 from .._core import metrics
 from .._core.metrics import FlushReason
@@ -93,6 +95,8 @@ class OpKernel:
         self.functional_args = [i for i, a in enumerate(self.args) if not a.is_out]
         self.writes = [i for i, a in enumerate(self.args) if a.is_write]
         self.returns = schema.returns
+        self.functional = registry.functional_of(overload)
+        self.inplace_of = registry.inplace_functional_of(overload)
         self.cache = {}
         self.lock = threading.Lock()
         self.metric_key = f"op::{overload}"
@@ -109,8 +113,17 @@ class OpKernel:
     def __call__(self, *args, **kwargs):
         try:
             return self._call(args, kwargs)
-        except _OutResized:
-            return self._call(args, kwargs)
+        except _OutResized as resized:
+            try:
+                result = self._call(args, kwargs)
+                if modes.fused and not self.low.eager:
+                    fused.note_resized(resized.args[0])
+                return result
+            except BaseException:
+                # A failing op leaves its out= as it was (PyTorch checks before resizing).
+                for t, shape, stride, offset in resized.args[0]:
+                    t.as_strided_(shape, stride, offset)
+                raise
 
     def _call(self, args, kwargs):
         vals = self.bind(args, kwargs)
@@ -308,7 +321,13 @@ class OpKernel:
         if self.low.eager:
             meta_out = None
         else:
-            meta_out = self.overload(*pos, **kw)
+            self._check_out_dtypes(vals, pos, kw)
+            try:
+                meta_out = self.overload(*pos, **kw)
+            except (AssertionError, TypeError, ValueError, ZeroDivisionError) as e:
+                # Some of PyTorch's Python meta kernels assert (or trip over their own checks,
+                # or divide by a zero stride) where its C++ kernels raise RuntimeError.
+                raise RuntimeError(str(e)) from e
             self._resize_outs(vals, pos, kw)
             overlap.check(self, vals, resized=True)
 
@@ -322,6 +341,8 @@ class OpKernel:
         out_specs = [] if meta_out is None else [
             (tuple(m.shape), _dense_strides(m), m.dtype)
             for m in self._fresh_meta_outputs(meta_out, returns)]
+        for shape, stride, dtype in out_specs:
+            storage.check_allocation(shape, stride, dtype, device)
         compiled.out_specs = out_specs
         compiled.wrap_specs = _wrap_specs(out_specs)
         compiled.list_len = len(out_specs) if returns == [None] and self._returns_list() else 0
@@ -342,6 +363,11 @@ class OpKernel:
         elif promote is registry.Promote.COMMON:
             tensors = [m for m in tree_flatten((pos, kw))[0] if isinstance(m, torch.Tensor)]
             promote_dtype = to_jax_dtype(torch.result_type(*tensors[:2])) if len(tensors) >= 2 else None
+        # An out= op computes its functional's results, rounded to their dtypes, and casts them
+        # to out's dtype (tanh(bfloat16, out=float32) rounds to bfloat16 first, as PyTorch).
+        result_dtypes = self._functional_dtypes(pos, kw) if write_targets and self.functional else None
+        if result_dtypes and promote is True:
+            promote_dtype = result_dtypes[0]
         n_buf = len(buffers)
         # Only plain values may be captured: a captured tensor would never be freed.
         consts = {}
@@ -376,7 +402,14 @@ class OpKernel:
                 else:
                     args.append(consts[i])
             registry._trace_state.checks = []
-            result = low.fn(*args)
+            try:
+                result = low.fn(*args)
+            except _TORCH_ERRORS:
+                raise
+            except Exception as e:
+                if isinstance(e, IndexError) and not _raised_by_jax(e):
+                    raise
+                raise _as_torch_error(e, self.overload) from e
             checks = registry._trace_state.checks
             registry._trace_state.checks = []
             check_info[:] = [(exc, msg) for _, exc, msg in checks]
@@ -385,7 +418,10 @@ class OpKernel:
             outs = []
             if write_targets:  # in-place / out=: the results are the mutated arguments' values
                 flat_updates, flat = flat, []
-                for (j, shape, stride, offset, dtype, conj, neg), value in zip(write_targets, flat_updates):
+                for k, ((j, shape, stride, offset, dtype, conj, neg), value) in enumerate(
+                        zip(write_targets, flat_updates)):
+                    if result_dtypes:
+                        value = jnp.asarray(value).astype(result_dtypes[min(k, len(result_dtypes) - 1)])
                     value = _unapply_bits(jnp.broadcast_to(jnp.asarray(value), shape), conj, neg)
                     new_arrays[j] = strided.write(new_arrays[j], shape, stride, offset, dtype, value)
             if low.eager and not specs:  # data-dependent shapes: the values define them
@@ -397,13 +433,54 @@ class OpKernel:
 
         compiled.run = run
         compiled.fn = run if low.eager else jax.jit(run)
+        if modes.fused and not low.eager and write_targets and all(b.dtype is not None for b in buffers):
+            # Fused mode traces an op when its segment runs; an in-place or out= op is traced
+            # abstractly here once, so that an input JAX refuses raises at the call, before the
+            # op's targets (an out= resized by PyTorch's rules) are committed.
+            jax.eval_shape(run, *[jax.ShapeDtypeStruct((b.nbytes // jnp.dtype(b.dtype).itemsize,),
+                                                        b.dtype) for b in buffers], *scalars)
         compiled.check_info = check_info
         return compiled
+
+    def _check_out_dtypes(self, vals, pos, kw):
+        """PyTorch's rules for an out= of another dtype than the result's, which the meta
+        kernels do not all apply (JAX would cast anything)."""
+        if self.inplace_of is not None:  # add_ and the like: self takes the result
+            try:
+                dtype = self.inplace_of(*pos, **kw).dtype
+            except Exception:  # noqa: BLE001 - the meta kernel raises PyTorch's error just after
+                return
+            if not torch.can_cast(dtype, vals[0].dtype):
+                raise RuntimeError(f"result type {dtype_name(dtype)} can't be cast to the desired "
+                                   f"output type {dtype_name(vals[0].dtype)}")
+            return
+        if self.functional is None:
+            return
+        try:
+            results = self._functional_dtypes(pos, kw)
+        except Exception:  # noqa: BLE001 - the meta kernel raises PyTorch's error just after
+            return
+        outs = [t for a, v in zip(self.args, vals) if a.is_out and v is not None
+                for t in (v if isinstance(v, (list, tuple)) else [v])]
+        for out, dtype in zip(outs, results):
+            dtype = to_torch_dtype(dtype)
+            if self.low.exact_out and out.dtype != dtype:
+                raise RuntimeError(f"Found dtype {dtype_name(out.dtype)} but expected {dtype_name(dtype)}")
+            if not torch.can_cast(dtype, out.dtype):
+                raise RuntimeError(f"result type {dtype_name(dtype)} can't be cast to the desired "
+                                   f"output type {dtype_name(out.dtype)}")
+
+    def _functional_dtypes(self, pos, kw):
+        """Dtypes of the functional overload's results (out= arguments are keyword-only)."""
+        outs = {a.name for a in self.args if a.is_out}
+        meta = self.functional(*pos, **{k: v for k, v in kw.items() if k not in outs})
+        metas = meta if isinstance(meta, (tuple, list)) else [meta]
+        return [to_jax_dtype(m.dtype) for m in metas if isinstance(m, torch.Tensor)]
 
     def _resize_outs(self, vals, pos, kw):
         # The meta kernel resized the meta `out=` tensors as PyTorch would; do the same to the
         # real ones, then run again with their new shapes in the key.
-        resized = False
+        resized = []
         for i, a in enumerate(self.args):
             if not a.is_out or vals[i] is None:
                 continue
@@ -413,12 +490,12 @@ class OpKernel:
                 metas, reals = [metas], [reals]
             for meta, real in zip(metas, reals):
                 if tuple(meta.shape) != tuple(real.shape) or meta.stride() != real.stride():
+                    resized.append((real, tuple(real.shape), real.stride(), real.storage_offset()))
                     real.resize_(meta.shape)
                     if meta.stride() != real.stride():
                         real.as_strided_(meta.shape, meta.stride())
-                    resized = True
         if resized:
-            raise _OutResized
+            raise _OutResized(resized)
 
     def _returns_list(self):
         return len(self.returns) == 1 and isinstance(self.returns[0].type, torch.ListType)
@@ -484,6 +561,25 @@ class OpKernel:
                 for o in outs]
             compiled.wrap_specs = _wrap_specs(compiled.out_specs)
         return self._commit(compiled, vals, outs, updated, buffers, device)
+
+
+# Errors the lowerings raise as PyTorch does; anything else a lowering raises comes from JAX
+# refusing the input (a dtype, a shape, an empty axis) and becomes the type PyTorch would raise.
+_TORCH_ERRORS = (RuntimeError, NotImplementedError)
+
+
+def _raised_by_jax(e):
+    tb = e.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return f"{os.sep}jax{os.sep}" in tb.tb_frame.f_code.co_filename
+
+
+def _as_torch_error(e, overload):
+    if isinstance(e, TypeError) and "dtype" in str(e):
+        # PyTorch raises NotImplementedError for a dtype its kernel has no code for.
+        return NotImplementedError(f"{overload}: not implemented for this dtype ({e})")
+    return RuntimeError(f"{overload}: {e}")
 
 
 _int_probe = torch.empty((), dtype=torch.int32, device="meta")

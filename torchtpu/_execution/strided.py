@@ -17,6 +17,11 @@ from .._core.storage import contiguous_strides
 def _as_dtype(array, dtype):
     if array.dtype == dtype:
         return array
+    # XLA cannot bitcast bools either: they are the bytes 0 and 1.
+    if array.dtype == jnp.bool_:
+        return _as_dtype(array.astype(jnp.uint8), dtype)
+    if dtype == jnp.bool_:
+        return _as_dtype(array, jnp.uint8) != 0
     # XLA cannot bitcast complex values: go through their (real, imag) component pairs.
     if jnp.issubdtype(array.dtype, jnp.complexfloating):
         return _as_dtype(jnp.stack([array.real, array.imag], -1).reshape(-1), dtype)

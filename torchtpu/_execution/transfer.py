@@ -64,6 +64,8 @@ def from_host(cpu, index):
 
 
 def _copy_(self, src, non_blocking=False):
+    if not isinstance(src, torch.Tensor):  # a Python number, as PyTorch's copy_ accepts
+        src = torch.tensor(src)
     if self.device.type != "tpu":  # device -> host
         if self.numel() == 0 and src.numel() == 0:
             return self
@@ -114,17 +116,10 @@ def _resize_(self, size, memory_format=None):
     needed = storage.storage_numel(shape, stride, offset) * self.dtype.itemsize
     st = self.untyped_storage()
     if needed > st.nbytes():
-        # Storages cannot grow in place: move the old bytes into a larger buffer and repoint
-        # this tensor (as PyTorch does when it reallocates).
-        old = st._tpu
-        jdtype = to_jax_dtype(self.dtype)
-        items = needed // self.dtype.itemsize
-        if old.array is None or old.dtype != jdtype:
-            array = None
-        else:
-            flat = old.array.reshape(-1)
-            array = jnp.concatenate([flat, jnp.zeros((items - flat.shape[0],), jdtype)])
-        st = storage.new_storage(needed, self.device.index, array, jdtype)
+        # The storage grows in place, keeping its bytes, so that every view of it (a base this
+        # tensor is a view of) sees the new elements, as when PyTorch reallocates.
+        storage.check_allocation(shape, stride, self.dtype, self.device.index)
+        storage.resize_storage(st, needed)
     storage.set_storage(self, st, offset, shape, stride)
     return self
 

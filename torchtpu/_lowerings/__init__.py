@@ -6,3 +6,4 @@ from . import gradients, meta, polynomials  # noqa: F401
 # Last: PyTorch decompositions fill in ops that have no hand-written lowering above.
 from . import decomposed  # noqa: E402
 decomposed.register_all()
+from . import refusals  # noqa: E402,F401  (after every lowering exists)

@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from .nn import round_to
 from .._core.registry import HALF_TYPES, Promote, lowering
 from .._core.runtime import jax_precision as _precision
+from .meta import dtype_name
+from .nn import round_to
 
 
 def _dims(nd):
@@ -107,7 +108,14 @@ def _slow_transposed(x, w, bias, stride, padding, dilation, output_padding, grou
     return acc
 
 
-@lowering("aten::convolution.default", promote=Promote.RESULT, precision=True)
+def _check_dtypes(x, w, bias, *rest):
+    """The CPU's convolutions take no mixed dtypes (no type promotion)."""
+    for t in (w, bias):
+        if t is not None and t.dtype != x.dtype:
+            raise RuntimeError(f"expected scalar type {dtype_name(x.dtype)} but found {dtype_name(t.dtype)}")
+
+
+@lowering("aten::convolution.default", promote=Promote.RESULT, precision=True, validate=_check_dtypes)
 def convolution(x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
     nd = x.ndim - 2
     if (transposed and x.dtype in HALF_TYPES and x.size and w.size

@@ -2,12 +2,20 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import torch
 
-from .meta import dtype_name
+from .._core.dtypes import to_jax_dtype
 from .._core.registry import check, lowering
+from .meta import dtype_name
 
 
-@lowering("aten::arange.start_step", "aten::arange.start_out", static=("start", "end", "step"))
+def _check_arange(start, end, step=1, dtype=None, *rest):
+    if dtype is not None and dtype.is_complex:
+        raise NotImplementedError(f'"arange_cpu" not implemented for \'{dtype_name(dtype)}\'')
+
+
+@lowering("aten::arange.start_step", "aten::arange.start_out", static=("start", "end", "step"),
+          validate=_check_arange)
 def arange(start, end, step=1, dtype=None, layout=None, device=None, pin_memory=None):
     # Boolean bounds count as integers (XLA has no boolean iota); the output takes the op's dtype.
     start, end, step = (int(v) if isinstance(v, bool) else v for v in (start, end, step))
@@ -26,7 +34,21 @@ def scalar_tensor(s, dtype=None, layout=None, device=None, pin_memory=None):
 
 @lowering("aten::linspace.default", static=("start", "end"))
 def linspace(start, end, steps, dtype=None, layout=None, device=None, pin_memory=None):
-    return jnp.linspace(start, end, steps)
+    out = to_jax_dtype(dtype or torch.get_default_dtype())
+    if steps < 2 or jnp.issubdtype(out, jnp.complexfloating):
+        return jnp.linspace(start, end, steps)
+    # PyTorch's CPU kernel's formula, evaluated on the host in the output's arithmetic (double
+    # for integers, whose results truncate): the first half counts up from start, the second
+    # down from end (jnp.linspace rounds differently: one ulp off at some points).  Exact for
+    # the kernel's scalar loop; its vectorised loop (long outputs) can differ in the last bit.
+    t = np.float64 if jnp.issubdtype(out, jnp.integer) else \
+        np.float32 if out in (jnp.float16, jnp.bfloat16) else np.dtype(out).type
+    lo, hi = t(start), t(end)
+    step = (hi - lo) / t(steps - 1)
+    idx = np.arange(steps)
+    values = np.where(idx < steps // 2, lo + step * idx.astype(t),
+                      hi - step * (steps - idx - 1).astype(t))
+    return jnp.asarray(values.astype(t)).astype(out)
 
 
 @lowering("aten::eye.default")
@@ -58,7 +80,16 @@ def normal_(key, x, mean=0.0, std=1.0, generator=None):
     return (jax.random.normal(key, x.shape, jnp.float32) * std + mean).astype(x.dtype)
 
 
-@lowering("aten::random_.from", random=True)
+def _check_random_range(x, low, high=None, generator=None):
+    if high is not None and low >= high:
+        raise RuntimeError(f"random_ expects 'from' to be less than 'to', but got from={low} >= to={high}")
+
+
+def _check_random_to(x, high, generator=None):
+    _check_random_range(x, 0, high)
+
+
+@lowering("aten::random_.from", random=True, validate=_check_random_range)
 def random_from(key, x, low, high=None, generator=None):
     if high is None:
         high = 2 ** 63 - 1 if x.dtype == jnp.int64 else int(jnp.iinfo(x.dtype).max) + 1 \
@@ -66,23 +97,36 @@ def random_from(key, x, low, high=None, generator=None):
     return jax.random.randint(key, x.shape, low, high, jnp.int64).astype(x.dtype)
 
 
-@lowering("aten::random_.to", random=True)
+@lowering("aten::random_.to", random=True, validate=_check_random_to)
 def random_to(key, x, high, generator=None):
     return jax.random.randint(key, x.shape, 0, high, jnp.int64).astype(x.dtype)
 
 
-@lowering("aten::bernoulli_.float", random=True)
+def _check_p(x, p=0.5, generator=None):
+    if not 0 <= p <= 1:
+        raise RuntimeError(f"bernoulli_ expects p to be in [0, 1], but got p={p:g}")
+
+
+def _check_p_values(p):
+    # The CPU kernel's check of the probabilities (CUDA's is a device assert).
+    check(jnp.all((p >= 0) & (p <= 1)), "Expected p_in >= 0 && p_in <= 1 to be true, but got false.",
+          RuntimeError)
+
+
+@lowering("aten::bernoulli_.float", random=True, validate=_check_p)
 def bernoulli_float(key, x, p=0.5, generator=None):
     return jax.random.bernoulli(key, p, x.shape).astype(x.dtype)
 
 
 @lowering("aten::bernoulli_.Tensor", random=True)
 def bernoulli_tensor(key, x, p, generator=None):
+    _check_p_values(p)
     return jax.random.bernoulli(key, jnp.broadcast_to(p, x.shape)).astype(x.dtype)
 
 
 @lowering("aten::bernoulli.default", random=True)
 def bernoulli(key, p, generator=None):
+    _check_p_values(p)
     return jax.random.bernoulli(key, p).astype(p.dtype)
 
 
@@ -193,4 +237,3 @@ def _triangle_indices(np_fn):
 
 lowering("aten::tril_indices.default")(_triangle_indices(np.tril_indices))
 lowering("aten::triu_indices.default")(_triangle_indices(np.triu_indices))
-

@@ -1,17 +1,62 @@
 """Matrix factorizations and solvers (the linalg.* aten primitives XLA supports).
 
-PyTorch conventions kept: LU pivots are 1-based int32 (LAPACK's), `info` outputs are int32
-zeros (XLA reports a failed factorization with NaNs instead of an error code), and ops that
+PyTorch conventions kept: LU pivots are 1-based int32 (LAPACK's), `info` outputs are LAPACK's
+(XLA reports a failed factorization with NaNs or zero pivots instead of an error code: info is
+read off the factors; PyTorch's _linalg_check_errors turns it into LinAlgError), and ops that
 return factorizations for their backward (det, slogdet, solve) return PyTorch's LU layout."""
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
+import torch
 from jax import lax
 
-from .._core.registry import HALF_TYPES, lowering
+from .._core.registry import HALF_TYPES, check, lowering
+from .meta import dtype_name
 
 
 def _info(a):
     return jnp.zeros(a.shape[:-2], jnp.int32)
+
+
+def _first(bad):
+    """LAPACK's info: the 1-based position of the first True along the last axis, else 0."""
+    n = bad.shape[-1]
+    if n == 0:
+        return jnp.zeros(bad.shape[:-1], jnp.int32)
+    pos = jnp.min(jnp.where(bad, jnp.arange(1, n + 1), n + 1), axis=-1)
+    return jnp.where(pos > n, 0, pos).astype(jnp.int32)
+
+
+def _cholesky_info(a):
+    """The first k whose pivot of Gaussian elimination without pivoting (det_k / det_k-1, the
+    value LAPACK's potrf takes the root of) is not positive, else 0."""
+    n = a.shape[-1]
+    rest = jnp.arange(n)
+    a = jnp.tril(a) + jnp.conj(_mT(jnp.tril(a, -1)))  # the triangle the factorization reads
+
+    def step(k, carry):
+        m, info = carry
+        d = jnp.real(m[..., k, k])
+        info = jnp.where((info == 0) & ~(d > 0), k + 1, info)
+        below = rest > k
+        update = m[..., :, k, None] * m[..., None, k, :] / m[..., k, k][..., None, None]
+        return m - jnp.where(below[:, None] & below[None, :], update, 0), info
+
+    return lax.fori_loop(0, n, step, (a, _info(a)))[1]
+
+
+def _lu_info(lu):
+    return _first(jnp.diagonal(lu, axis1=-2, axis2=-1) == 0)
+
+
+def _check_info(info, check_errors, message):
+    """The *_ex ops with check_errors=True raise from the kernel itself."""
+    if check_errors:
+        check(jnp.all(info == 0), message, torch.linalg.LinAlgError)
+
+
+def _check_eigh(a, *rest):
+    if not (a.is_floating_point() or a.is_complex()):
+        raise NotImplementedError(f'"linalg_eigh_cpu" not implemented for \'{dtype_name(a.dtype)}\'')
 
 
 def _mT(a):
@@ -39,7 +84,7 @@ def linalg_qr(a, mode="reduced"):
     return q, r
 
 
-@lowering("aten::_linalg_eigh.default")
+@lowering("aten::_linalg_eigh.default", validate=_check_eigh)
 def linalg_eigh(a, UPLO="L", compute_v=True):
     w, v = jnp.linalg.eigh(a, UPLO=UPLO, symmetrize_input=False)
     return w, (v if compute_v else jnp.zeros((0,), a.dtype))
@@ -47,15 +92,24 @@ def linalg_eigh(a, UPLO="L", compute_v=True):
 
 @lowering("aten::linalg_inv_ex.default")
 def linalg_inv_ex(a, check_errors=False):
-    return jnp.linalg.inv(a), _info(a)
+    lu, piv, _ = _lu(a)
+    info = _lu_info(lu)
+    _check_info(info, check_errors, "linalg.inv: The input matrix is singular.")
+    eye = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), a.shape)
+    return jsl.lu_solve((lu, piv - 1), eye), info
 
 
 @lowering("aten::linalg_cholesky_ex.default")
 def linalg_cholesky_ex(a, upper=False, check_errors=False):
-    l = jnp.linalg.cholesky(a)
+    l = jnp.linalg.cholesky(a, symmetrize_input=False)  # the lower triangle alone, as LAPACK
+    # XLA's factor of a matrix that is not positive-definite is all NaN; only then is LAPACK's
+    # info (the order of the first leading minor that is not positive-definite) worked out.
+    failed = ~jnp.all(jnp.real(jnp.diagonal(l, axis1=-2, axis2=-1)) > 0)
+    info = lax.cond(failed, _cholesky_info, _info, a) if a.shape[-1] else _info(a)
+    _check_info(info, check_errors, "linalg.cholesky: The input is not positive-definite.")
     if upper:
         l = jnp.conj(_mT(l))
-    return l, _info(a)
+    return l, info
 
 
 @lowering("aten::cholesky.default")
@@ -68,7 +122,9 @@ def linalg_lu_factor_ex(a, pivot=True, check_errors=False):
     if not pivot:
         raise NotImplementedError("linalg.lu_factor(pivot=False) has no tpu lowering")
     lu, piv, _ = _lu(a)
-    return lu, piv, _info(a)
+    info = _lu_info(lu)
+    _check_info(info, check_errors, "linalg.lu_factor: The input matrix is singular.")
+    return lu, piv, info
 
 
 @lowering("aten::_linalg_det.default")
@@ -98,17 +154,19 @@ def linalg_slogdet(a):
 @lowering("aten::_linalg_solve_ex.default")
 def linalg_solve_ex(a, b, left=True, check_errors=False):
     lu, piv, perm = _lu(a)
+    info = _lu_info(lu)
+    _check_info(info, check_errors, "torch.linalg.solve: The solver failed because the input matrix is singular.")
     # PyTorch treats b as a batch of vectors when b.ndim == 1 or b is a batch of a's columns.
     vector = b.ndim == 1 or (b.ndim == a.ndim - 1 and b.shape == a.shape[:-1])
     if not left:
         # x a = b  <=>  a^T x^T = b^T
         x = jnp.linalg.solve(_mT(a), _mT(b))
-        return _mT(x), lu, piv, _info(a)
+        return _mT(x), lu, piv, info
     if vector:
         x = jnp.linalg.solve(a, b[..., None])[..., 0]
     else:
         x = jnp.linalg.solve(a, b)
-    return x, lu, piv, _info(a)
+    return x, lu, piv, info
 
 
 @lowering("aten::linalg_solve_triangular.default")

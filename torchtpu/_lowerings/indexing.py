@@ -4,8 +4,10 @@ import functools
 
 import jax.numpy as jnp
 import numpy as np
+import torch
 
 from .._core.registry import check, lowering
+from .meta import dtype_name
 
 
 def _torch_dtype_name(dtype):
@@ -13,16 +15,18 @@ def _torch_dtype_name(dtype):
     return str(to_torch_dtype(dtype)).replace("torch.", "")
 
 
-def check_index(idx, size, message="index out of range", exc_type=IndexError):
+def check_index(idx, size, message="index out of range", exc_type=IndexError, negative=True):
+    """`idx` lies in [-size, size), or with negative=False in [0, size): gather, scatter,
+    index_select, index_add and embedding take no negative indices on the CPU (JAX would wrap)."""
     idx = jnp.asarray(idx)
     if idx.size:
-        check(jnp.all((idx >= -size) & (idx < size)), message, exc_type)
+        check(jnp.all((idx >= (-size if negative else 0)) & (idx < size)), message, exc_type)
 
 
 def _check_scatter_index(idx, x, dim):
     # gather/scatter raise RuntimeError on the CPU (index_select & co. raise IndexError)
     check_index(idx, x.shape[dim], f"index is out of bounds for dimension {dim} with size "
-                f"{x.shape[dim]}", RuntimeError)
+                f"{x.shape[dim]}", RuntimeError, negative=False)
 
 
 def _wrap(idx, size):
@@ -32,7 +36,7 @@ def _wrap(idx, size):
 @lowering("aten::index_select.default")
 def index_select(x, dim, index):
     size = x.shape[dim] if x.ndim else 1
-    check_index(index, size, "index out of range in self")
+    check_index(index, size, "index out of range in self", negative=False)
     if x.ndim == 0:
         return x
     return jnp.take(x, _wrap(index, size), axis=dim)
@@ -130,7 +134,12 @@ def scatter_reduce(x, dim, index, src, reduce, include_self=True):
 
 def _check_index_add(x, dim, index, source, alpha=1):
     # PyTorch's CPU kernel checks these; its meta kernel does not.
+    if source.dtype != x.dtype:
+        raise RuntimeError(f"index_add_(): self ({dtype_name(x.dtype)}) and source "
+                           f"({dtype_name(source.dtype)}) must have the same scalar type")
     if x.dim() == 0 or source.dim() == 0:
+        if source.dim() > x.dim():
+            _source_shape_mismatch(x, source)
         return
     dim %= x.dim()
     if index.numel() != source.shape[dim]:
@@ -138,16 +147,26 @@ def _check_index_add(x, dim, index, source, alpha=1):
                            f"source.size(dim): ({source.shape[dim]}), for dim: {dim}")
     if source.dim() != x.dim() or any(
             source.shape[d] != x.shape[d] for d in range(x.dim()) if d != dim):
-        raise RuntimeError(
-            "source tensor shape must match self tensor shape, excluding the specified dimension. "
-            f"Got self.shape = {list(x.shape)} source.shape = {list(source.shape)}")
+        _source_shape_mismatch(x, source)
+
+
+def _source_shape_mismatch(x, source):
+    raise RuntimeError(
+        "source tensor shape must match self tensor shape, excluding the specified dimension. "
+        f"Got self.shape = {list(x.shape)} source.shape = {list(source.shape)}")
 
 
 @lowering("aten::index_add.default", validate=_check_index_add)
 @_bool_via_int(0, 3)
 def index_add(x, dim, index, source, alpha=1):
     size = x.shape[dim] if x.ndim else 1
-    check_index(index, size, "index out of range in self")
+    if x.size == 0:  # the CPU kernel returns before looking at the indices
+        return x
+    if x.ndim <= 1:  # the CPU's one-dimensional kernel
+        check_index(index, size, "index out of range in self", negative=False)
+    else:
+        check_index(index, size, f"index is out of bounds for dimension {dim} with size {size}",
+                    RuntimeError, negative=False)
     if x.ndim == 0:
         return x + alpha * source.reshape(())
     moved = jnp.moveaxis(x, dim, 0)
@@ -160,7 +179,7 @@ def index_fill(x, dim, index, value):
     size = x.shape[dim] if x.ndim else 1
     check_index(index, size, "index out of range in self")
     if x.ndim == 0:
-        return jnp.asarray(value, x.dtype)
+        return jnp.asarray(value, x.dtype) if index.size else x
     moved = jnp.moveaxis(x, dim, 0)
     return jnp.moveaxis(moved.at[_wrap(index, size)].set(jnp.asarray(value, x.dtype)), 0, dim)
 
@@ -182,7 +201,14 @@ def index(x, indices):
     return x[_advanced_index(x, indices)]
 
 
-@lowering("aten::index_put.default")
+def _check_index_put(x, indices, values, *rest):
+    if values.dtype != x.dtype:
+        raise RuntimeError("Index put requires the source and destination dtypes match, got "
+                           f"{dtype_name(x.dtype)} for the destination and {dtype_name(values.dtype)} "
+                           "for the source.")
+
+
+@lowering("aten::index_put.default", validate=_check_index_put)
 @_bool_via_int(0, 2)
 def index_put(x, indices, values, accumulate=False, unsafe=False):
     idx = _advanced_index(x, indices)
@@ -190,7 +216,24 @@ def index_put(x, indices, values, accumulate=False, unsafe=False):
     return x.at[idx].add(values) if accumulate else x.at[idx].set(values)
 
 
-lowering("aten::_index_put_impl_.default")(index_put)
+lowering("aten::_index_put_impl_.default", validate=_check_index_put)(index_put)
+
+
+def _check_index_copy(x, dim, index, source):
+    if source.dtype != x.dtype:
+        raise RuntimeError(f"index_copy_(): self and source expected to have the same dtype, but got "
+                           f"(self) {dtype_name(x.dtype)} and (source) {dtype_name(source.dtype)}")
+
+
+@lowering("aten::index_copy.default", validate=_check_index_copy)
+def index_copy(x, dim, index, source):
+    size = x.shape[dim] if x.ndim else 1
+    check_index(index, size, f"index_copy_(): index out of bounds for dimension {dim} with size "
+                f"{size}", negative=False)
+    if x.ndim == 0:
+        return jnp.reshape(source, ())
+    src = jnp.moveaxis(source, dim, 0) if source.ndim else source
+    return jnp.moveaxis(jnp.moveaxis(x, dim, 0).at[index].set(src), 0, dim)
 
 
 @lowering("aten::masked_scatter.default", eager=True)
@@ -216,7 +259,12 @@ def nonzero(x):
         jnp.zeros((1 if bool(x) else 0, 0), jnp.int64)
 
 
-@lowering("aten::masked_select.default", eager=True)
+def _check_masked_select(x, mask):
+    if mask.dtype != torch.bool:
+        raise RuntimeError("masked_select: expected BoolTensor for mask")
+
+
+@lowering("aten::masked_select.default", eager=True, validate=_check_masked_select)
 def masked_select(x, mask):
     x, mask = jnp.broadcast_arrays(x, mask)
     return x[mask]
@@ -229,7 +277,7 @@ def index_reduce(x, dim, index, source, reduce, include_self=True):
         out = index_reduce(x, 0, index, source, reduce, include_self)
         return out.reshape(())
     dim = dim % x.ndim
-    check_index(index, x.shape[dim], "index out of range in self")
+    check_index(index, x.shape[dim], "index out of range in self", negative=False)
     idx = (slice(None),) * dim + (_wrap(index, x.shape[dim]),)
     src = source if source.ndim else source.reshape(1)
     hit = jnp.zeros(x.shape[dim], bool).at[_wrap(index, x.shape[dim])].set(True)
@@ -292,7 +340,15 @@ def nonzero_static(x, size, fill_value=-1):
     return jnp.stack(found, axis=1).astype(jnp.int64)
 
 
-@lowering("aten::put.default")
+def _check_put(x, index, source, accumulate=False):
+    if source.numel() != index.numel():
+        raise IndexError("put_(): Expected source and index to have the same number of elements, "
+                         f"but got source.numel() = {source.numel()}, index.numel() = {index.numel()}")
+    if x.numel() == 0 and index.numel():
+        raise IndexError("put_(): Tried to put elements into an empty tensor")
+
+
+@lowering("aten::put.default", validate=_check_put)
 @_bool_via_int(0, 2)
 def put(x, index, source, accumulate=False):
     check_index(index, max(x.size, 1), "out of range: tried to access index")

@@ -1,9 +1,19 @@
 """Matrix products; float32 precision follows torch.get_float32_matmul_precision()."""
 import jax.numpy as jnp
+import torch
 from jax import lax
 
 from .._core.registry import HALF_TYPES, Promote, lowering
 from .._core.runtime import jax_precision as _precision
+from .meta import dtype_name
+
+
+def _same_dtypes(*tensors):
+    """Matrix products take no mixed dtypes on the CPU (no type promotion)."""
+    dtypes = [t.dtype for t in tensors if isinstance(t, torch.Tensor)]
+    if len(set(dtypes)) > 1:
+        raise RuntimeError("expected the input tensors to have the same dtype, but got "
+                           + ", ".join(dtype_name(d) for d in dtypes))
 
 
 def _matmul(a, b):
@@ -24,27 +34,27 @@ def _scaled_sum(bias, product, beta, alpha):
     return jnp.where(beta == 0, 0, beta * bias) + alpha * product
 
 
-@lowering("aten::mm.default", promote=Promote.RESULT, precision=True)
+@lowering("aten::mm.default", promote=Promote.RESULT, precision=True, validate=_same_dtypes)
 def mm(a, b):
     return _matmul(a, b)
 
 
-@lowering("aten::bmm.default", promote=Promote.RESULT, precision=True)
+@lowering("aten::bmm.default", promote=Promote.RESULT, precision=True, validate=_same_dtypes)
 def bmm(a, b):
     return _matmul(a, b)
 
 
-@lowering("aten::addmm.default", promote=Promote.RESULT, precision=True)
+@lowering("aten::addmm.default", promote=Promote.RESULT, precision=True, validate=_same_dtypes)
 def addmm(bias, a, b, beta=1, alpha=1):
     return _scaled_sum(bias, _matmul(a, b), beta, alpha)
 
 
-@lowering("aten::baddbmm.default", promote=Promote.RESULT, precision=True)
+@lowering("aten::baddbmm.default", promote=Promote.RESULT, precision=True, validate=_same_dtypes)
 def baddbmm(bias, a, b, beta=1, alpha=1):
     return _scaled_sum(bias, _matmul(a, b), beta, alpha)
 
 
-@lowering("aten::addbmm.default", promote=Promote.RESULT, precision=True)
+@lowering("aten::addbmm.default", promote=Promote.RESULT, precision=True, validate=_same_dtypes)
 def addbmm(bias, a, b, beta=1, alpha=1):
     if a.dtype not in HALF_TYPES or a.shape[0] == 0:
         return _scaled_sum(bias, jnp.sum(_matmul(a, b), axis=0), beta, alpha)
@@ -57,22 +67,22 @@ def addbmm(bias, a, b, beta=1, alpha=1):
     return lax.scan(add_batch, first, (a[1:], b[1:]))[0]
 
 
-@lowering("aten::mv.default", promote=Promote.RESULT, precision=True)
+@lowering("aten::mv.default", promote=Promote.RESULT, precision=True, validate=_same_dtypes)
 def mv(a, v):
     return _matmul(a, v)
 
 
-@lowering("aten::dot.default", promote=Promote.RESULT, precision=True)
+@lowering("aten::dot.default", promote=Promote.RESULT, precision=True, validate=_same_dtypes)
 def dot(a, b):
     return jnp.dot(a, b, precision=_precision())
 
 
-@lowering("aten::vdot.default", promote=Promote.RESULT, precision=True)
+@lowering("aten::vdot.default", promote=Promote.RESULT, precision=True, validate=_same_dtypes)
 def vdot(a, b):
     return jnp.dot(jnp.conj(a), b, precision=_precision())  # the first argument conjugated
 
 
-@lowering("aten::addmv.default", promote=Promote.RESULT, precision=True)
+@lowering("aten::addmv.default", promote=Promote.RESULT, precision=True, validate=_same_dtypes)
 def addmv(bias, a, v, beta=1, alpha=1):
     return _scaled_sum(bias, _matmul(a, v), beta, alpha)
 

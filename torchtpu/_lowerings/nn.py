@@ -64,7 +64,14 @@ def fma(a, b, c):
     return s + (s_err + p_err)
 
 
-@lowering("aten::relu.default")
+def _check_relu(x):
+    if x.dtype == torch.bool:
+        raise RuntimeError("Boolean inputs not supported for relu")
+    if x.is_complex():
+        raise NotImplementedError("\"clamp_min_cpu\" not implemented for 'ComplexFloat'")
+
+
+@lowering("aten::relu.default", validate=_check_relu)
 def relu(x):
     return jnp.maximum(x, 0)
 
@@ -238,7 +245,7 @@ def _check_embedding(weight, *rest):
 @lowering("aten::embedding.default", validate=_check_embedding)
 def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     from .indexing import check_index
-    check_index(indices, weight.shape[0], "index out of range in self")
+    check_index(indices, weight.shape[0], "index out of range in self", negative=False)
     return jnp.take(weight, indices, axis=0)
 
 
@@ -272,16 +279,12 @@ def _nll(x, target, weight, reduction, ignore_index):
     return jnp.sum(loss), total
 
 
-@lowering("aten::nll_loss_forward.default")
+@lowering("aten::nll_loss_forward.default", "aten::nll_loss2d_forward.default")
 def nll_loss_forward(x, target, weight, reduction, ignore_index):
     from .indexing import check_index
     C = x.shape[1] if x.ndim > 1 else x.shape[0]
-    check_index(jnp.where(target == ignore_index, 0, target), C, "Target out of bounds")
-    return _nll(x, target, weight, reduction, ignore_index)
-
-
-@lowering("aten::nll_loss2d_forward.default")
-def nll_loss2d_forward(x, target, weight, reduction, ignore_index):
+    check_index(jnp.where(target == ignore_index, 0, target), C, "Target out of bounds",
+                negative=False)
     return _nll(x, target, weight, reduction, ignore_index)
 
 
@@ -292,6 +295,21 @@ def nll_loss_backward(grad, x, target, weight, reduction, ignore_index, total_we
         # PyTorch divides by the saved total weight, not a recomputed one.
         f = lambda v: _nll(v, target, weight, 2, ignore_index)[0] / total_weight
     return jax.vjp(f, x)[1](grad.astype(x.dtype))[0]
+
+
+@lowering("aten::binary_cross_entropy.default", opmath=True)
+def binary_cross_entropy(x, target, weight=None, reduction=1):
+    from .._core.registry import check
+    # The CPU kernel's check of the values (CUDA's is a device assert).
+    check(jnp.all((x >= 0) & (x <= 1)), "all elements of input should be between 0 and 1",
+          RuntimeError)
+    check(jnp.all((target >= 0) & (target <= 1)),
+          "all elements of target should be between 0 and 1", RuntimeError)
+    # PyTorch clamps the logs at -100 so that a 0 or 1 gives a finite loss.
+    loss = (target - 1) * jnp.maximum(jnp.log1p(-x), -100) - target * jnp.maximum(jnp.log(x), -100)
+    if weight is not None:
+        loss = loss * weight
+    return loss if reduction == 0 else jnp.mean(loss) if reduction == 1 else jnp.sum(loss)
 
 
 @lowering("aten::mse_loss.default")
@@ -830,9 +848,9 @@ def _ctc_labels(targets, target_lengths):
     lengths = [int(n) for n in target_lengths]
     width = max(lengths, default=0)
     if targets.ndim == 2:
-        return targets[:, :max(width, 1)] if width else jnp.zeros((len(lengths), 1), targets.dtype)
+        return targets[:, :width]
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    index = np.minimum(starts[:, None] + np.arange(max(width, 1)),
+    index = np.minimum(starts[:, None] + np.arange(width),
                        max(targets.shape[0] - 1, 0))
     return targets[index] if targets.shape[0] else jnp.zeros(index.shape, targets.dtype)
 
@@ -868,8 +886,9 @@ def _ctc_forward(log_probs, targets, input_lengths, target_lengths, blank):
     first = jnp.where((s_idx[None, :] == 1) & (tl[:, None] == 0), neg, first)
 
     def step(alpha, t):
-        prev1 = jnp.concatenate([jnp.full((bsz, 1), neg), alpha[:, :-1]], axis=1)
-        prev2 = jnp.concatenate([jnp.full((bsz, 2), neg), alpha[:, :-2]], axis=1)
+        # alpha shifted right by one and two states (s_len may be 1: empty targets)
+        prev1 = jnp.concatenate([jnp.full((bsz, 1), neg), alpha], axis=1)[:, :s_len]
+        prev2 = jnp.concatenate([jnp.full((bsz, 2), neg), alpha], axis=1)[:, :s_len]
         prev2 = jnp.where(skip, prev2, neg)
         new = _logaddexp(_logaddexp(alpha, prev1), prev2) + emit(t)
         new = jnp.where(valid_s, new, neg)

@@ -2,11 +2,18 @@
 kernel (inputs are cast to the result dtype before the JAX function runs)."""
 import jax
 import jax.numpy as jnp
+import torch
 from jax import lax
 
 from .._core.registry import Promote, lowering
+from .meta import _c10_name
 
-# --- arithmetic ----------------------------------------------------------------------------
+
+def _not_complex(name):
+    def validate(x, y, *rest):
+        if x.is_complex() or (isinstance(y, torch.Tensor) and y.is_complex()):
+            raise RuntimeError(f"{name} not implemented for complex tensors.")
+    return validate
 
 
 @lowering("aten::add.Tensor", "aten::add.Scalar", promote=Promote.RESULT)
@@ -39,22 +46,56 @@ def div_mode(x, y, rounding_mode=None):
     if rounding_mode is None:
         return x / y
     if jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer):
+        _check_nonzero(y)
         if rounding_mode == "floor":
             return jnp.floor_divide(x, y)
         x, y = jnp.broadcast_arrays(x, jnp.asarray(y, jnp.asarray(x).dtype))
         q = lax.div(x, y)  # C division truncates
         return q
-    q = x / y
-    return jnp.floor(q) if rounding_mode == "floor" else jnp.trunc(q)
+    if rounding_mode == "floor":
+        return floor_divide_float(x, y)
+    return jnp.trunc(x / y)
+
+
+def _check_nonzero(y):
+    """Integer division by zero raises on the CPU (CUDA returns garbage)."""
+    check(jnp.all(jnp.asarray(y) != 0), "ZeroDivisionError", RuntimeError)
+
+
+def floor_divide_float(x, y):
+    """PyTorch's floating floor division: from fmod, so an infinite dividend gives NaN (not
+    floor(inf / y) = inf), with the quotient rounded to the nearest integer near .5 and the
+    sign of zero kept."""
+    x, y = jnp.broadcast_arrays(x, jnp.asarray(y, jnp.asarray(x).dtype))
+    mod = jnp.fmod(x, y)
+    div = (x - mod) / y
+    div = jnp.where((mod != 0) & ((y < 0) != (mod < 0)), div - 1, div)
+    floor = jnp.floor(div)
+    floor = jnp.where(div - floor > 0.5, floor + 1, floor)
+    quotient = x / y
+    floor = jnp.where(div != 0, floor, jnp.copysign(jnp.zeros_like(div), quotient))
+    return jnp.where(y == 0, quotient, floor)
+
+
+@lowering("aten::floor_divide.default", "aten::floor_divide.Scalar", "aten::floor_divide_.Tensor",
+          "aten::floor_divide_.Scalar", promote=Promote.RESULT)
+def floor_divide(x, y):
+    if jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer):
+        return div_mode(x, y, "floor")
+    return floor_divide_float(x, y)
 
 
 @lowering("aten::remainder.Tensor", "aten::remainder.Scalar", promote=Promote.RESULT)
 def remainder(x, y):
+    if jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer):
+        _check_nonzero(y)
     return jnp.remainder(x, y)
 
 
 @lowering("aten::fmod.Tensor", "aten::fmod.Scalar", promote=Promote.RESULT)
 def fmod(x, y):
+    if jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer):
+        _check_nonzero(y)
     return jnp.fmod(x, y)
 
 
@@ -101,7 +142,11 @@ def abs_(x):
 
 @lowering("aten::sign.default")
 def sign(x):
-    return x if x.dtype == jnp.bool_ else jnp.sign(x)
+    if x.dtype == jnp.bool_:
+        return x
+    # PyTorch's sign is (0 < x) - (x < 0): 0 for NaN.
+    return jnp.where(jnp.isnan(x), 0, jnp.sign(x)) if jnp.issubdtype(x.dtype, jnp.floating) \
+        else jnp.sign(x)
 
 
 @lowering("aten::sgn.default")
@@ -109,17 +154,22 @@ def sgn(x):
     return sign(x)
 
 
-@lowering("aten::maximum.default", promote=Promote.RESULT)
+@lowering("aten::maximum.default", promote=Promote.RESULT, validate=_not_complex("maximum"))
 def maximum(x, y):
     return jnp.maximum(x, y)
 
 
-@lowering("aten::minimum.default", promote=Promote.RESULT)
+@lowering("aten::minimum.default", promote=Promote.RESULT, validate=_not_complex("minimum"))
 def minimum(x, y):
     return jnp.minimum(x, y)
 
 
-@lowering("aten::clamp.default", "aten::clamp.Tensor", promote=Promote.RESULT)
+def _check_clamp(x, lo=None, hi=None):
+    if lo is None and hi is None:
+        raise RuntimeError("torch.clamp: At least one of 'min' or 'max' must not be None")
+
+
+@lowering("aten::clamp.default", "aten::clamp.Tensor", promote=Promote.RESULT, validate=_check_clamp)
 def clamp(x, lo=None, hi=None):
     if lo is not None:
         x = jnp.maximum(x, lo)
@@ -143,7 +193,18 @@ def addcmul(x, a, b, value=1):
     return x + value * a * b
 
 
-@lowering("aten::addcdiv.default", promote=Promote.RESULT, opmath=True)
+def _check_addcdiv(x, a, b, value=1):
+    if not any(t.is_floating_point() or t.is_complex() for t in (a, b)):
+        raise RuntimeError(
+            "Integer division with addcdiv is no longer supported, and in a future  release "
+            "addcdiv will perform a true division of tensor1 and tensor2. The historic addcdiv "
+            "behavior can be implemented as (input + value * torch.trunc(tensor1 / tensor2))."
+            "to(input.dtype) for integer inputs and as (input + value * tensor1 / tensor2) for "
+            "float inputs. The future addcdiv behavior is just the latter implementation: "
+            "(input + value * tensor1 / tensor2), for all dtypes.")
+
+
+@lowering("aten::addcdiv.default", promote=Promote.RESULT, opmath=True, validate=_check_addcdiv)
 def addcdiv(x, a, b, value=1):
     return x + value * a / b
 
@@ -163,8 +224,8 @@ def _unary(name, fn):
 
 
 def digamma(x):
-    # PyTorch defines digamma(0) = -inf (the limit from the right); SciPy's gives NaN.
-    return jnp.where(x == 0, -jnp.inf, jax.scipy.special.digamma(x))
+    # PyTorch defines digamma(+-0) = -+inf (the limits towards zero); SciPy's gives NaN.
+    return jnp.where(x == 0, jnp.copysign(jnp.inf, -x), jax.scipy.special.digamma(x))
 
 
 for _name, _fn in {
@@ -249,6 +310,26 @@ def logical_xor(x, y):
     return jnp.logical_xor(x, y)
 
 
+def _check_heaviside(x, values):
+    if x.dtype != values.dtype:
+        raise RuntimeError("heaviside is not yet implemented for tensors with different dtypes.")
+
+
+@lowering("aten::heaviside.default", validate=_check_heaviside)
+def heaviside(x, values):
+    return jnp.where(x == 0, values, (x > 0).astype(x.dtype))
+
+
+# PyTorch's shifts: a count past the width (or negative) gives 0, or the sign for a right shift
+# of a negative number, as XLA's shifts do.
+for _name, _fn in {"__lshift__": jnp.left_shift, "__ilshift__": jnp.left_shift,
+                   "__rshift__": jnp.right_shift, "__irshift__": jnp.right_shift}.items():
+    lowering(f"aten::{_name}.Tensor", f"aten::{_name}.Scalar", promote=Promote.RESULT)(_fn)
+for _name, _fn in {"bitwise_left_shift": jnp.left_shift, "bitwise_right_shift": jnp.right_shift}.items():
+    lowering(f"aten::{_name}.Tensor", f"aten::{_name}.Tensor_Scalar",
+             f"aten::{_name}.Scalar_Tensor", promote=Promote.RESULT)(_fn)
+
+
 @lowering("aten::bitwise_not.default")
 def bitwise_not(x):
     return jnp.logical_not(x) if x.dtype == jnp.bool_ else jnp.bitwise_not(x)
@@ -317,7 +398,13 @@ def zero(x):
     return jnp.zeros_like(x)
 
 
-@lowering("aten::masked_fill.Scalar", "aten::masked_fill.Tensor")
+def _check_masked_fill(x, mask, value):
+    if mask.dtype != torch.bool:
+        raise RuntimeError(f"masked_fill_ only supports boolean masks, but got mask with dtype "
+                           f"{_c10_name(mask.dtype)}")
+
+
+@lowering("aten::masked_fill.Scalar", "aten::masked_fill.Tensor", validate=_check_masked_fill)
 def masked_fill(x, mask, value):
     return jnp.where(mask, jnp.asarray(value).astype(x.dtype), x)
 
@@ -366,4 +453,5 @@ def gcd(x, y):
 @lowering("aten::lcm.default", promote=Promote.RESULT)
 def lcm(x, y):
     return jnp.lcm(x, y)
+
 

@@ -4,10 +4,13 @@ max-pool backward from saved indices.  Backward ops reuse the forward through ja
 import jax
 import jax.numpy as jnp
 import numpy as np
+import torch
 from jax import lax
+from torch._decomp import decomposition_table
 
-from .nn import round_to
 from .._core.registry import HALF_TYPES, lowering
+from .decomposed import make_lowering
+from .nn import round_to
 
 
 def _expand(v, nd, default=None):
@@ -115,6 +118,26 @@ def _adaptive_avg3d_in_half(x, output_size):
     total = lax.fori_loop(0, kd * kh * kw, add,
                           jnp.zeros(x.shape[:-3] + tuple(output_size), jnp.float32))
     return round_to(total / count, x.dtype).astype(x.dtype)
+
+
+def _check_adaptive_avg_pool2d(x, output_size):
+    for d in range(1 if x.dim() == 4 else 0, x.dim()):
+        if x.shape[d] == 0:
+            raise RuntimeError(
+                "adaptive_avg_pool2d(): Expected input to have non-zero size for non-batch "
+                f"dimensions, but input has sizes {list(x.shape)} with dimension {d} being empty")
+
+
+@lowering("aten::_adaptive_avg_pool2d.default", validate=_check_adaptive_avg_pool2d)
+def adaptive_avg_pool2d(x, output_size):
+    if 0 in output_size:  # an empty result (PyTorch's decomposition would divide by zero)
+        return jnp.zeros(x.shape[:-2] + tuple(output_size), x.dtype)
+    return _adaptive_avg_pool2d_decomposed(x, output_size)
+
+
+_adaptive_avg_pool2d_decomposed = make_lowering(
+    torch.ops.aten._adaptive_avg_pool2d.default,
+    decomposition_table[torch.ops.aten._adaptive_avg_pool2d.default])
 
 
 @lowering("aten::_adaptive_avg_pool3d.default")

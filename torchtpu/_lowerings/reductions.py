@@ -457,3 +457,4 @@ def hash_tensor(x, dim=(), keepdim=False, mode=0):
         bits = lax.bitcast_convert_type(x.astype(jnp.int64), jnp.uint64)
     axes = _dims(x, dim)
     return jnp.bitwise_xor.reduce(bits, axis=axes, keepdims=keepdim)
+

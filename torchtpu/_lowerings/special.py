@@ -58,12 +58,16 @@ def zeta(x, q):
 
 @lowering("aten::igamma.default", promote=Promote.RESULT, opmath=True)
 def igamma(a, x):
-    return jss.gammainc(a, x)
+    # PyTorch's special cases where SciPy's gives NaN: a = 0 with x > 0 gives 1, an infinite a
+    # with a finite x gives 0.
+    r = jnp.where((a == 0) & (x > 0), 1, jss.gammainc(a, x))
+    return jnp.where(jnp.isinf(a) & jnp.isfinite(x), 0, r)
 
 
 @lowering("aten::igammac.default", promote=Promote.RESULT, opmath=True)
 def igammac(a, x):
-    return jss.gammaincc(a, x)
+    return jnp.where(
+        (a == 0) & (x > 0), 0, jnp.where(jnp.isinf(a) & jnp.isfinite(x), 1, jss.gammaincc(a, x)))
 
 
 @lowering("aten::mvlgamma.default", promote=Promote.RESULT, opmath=True)
@@ -121,3 +125,4 @@ for _name, _fn in {
     "special_spherical_bessel_j0": lambda x: jnp.where(x == 0, 1.0, jnp.sin(x) / jnp.where(x == 0, 1.0, x)),
 }.items():
     _unary(_name, _fn)
+

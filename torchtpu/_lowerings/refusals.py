@@ -1,0 +1,83 @@
+"""Dtypes the CPU kernels have no code for.
+
+PyTorch's meta kernels accept them (and JAX would compute something), so each op names the
+kinds of (promoted) dtype its CPU kernel refuses, with the CPU's exception type.  Applied once
+the table is full, to hand-written and decomposed lowerings alike."""
+import torch
+
+from .._core.registry import TABLE, overload_of
+from .meta import dtype_name
+
+
+def _kind(dtype):
+    return "bool" if dtype == torch.bool else "complex" if dtype.is_complex else \
+        "float" if dtype.is_floating_point else "int"
+
+
+def _refusing(previous, name, kinds, arity, exc, empty):
+    def validate(*args):
+        if previous is not None:
+            previous(*args)
+        operands = [a for a in args[:arity] if isinstance(a, (torch.Tensor, bool, int, float, complex))]
+        if not any(isinstance(a, torch.Tensor) for a in operands):
+            return
+        if not empty and operands[0].numel() == 0:
+            return
+        dtype = torch.result_type(*operands) if len(operands) == 2 else operands[0].dtype
+        if _kind(dtype) in kinds:
+            raise exc(f'"{name}" not implemented for \'{dtype_name(dtype)}\'')
+    return validate
+
+
+def refuse(kinds, *names, arity=1, exc=NotImplementedError, empty=True):
+    """The lowerings of `names` (aten overloads) refuse `kinds` of dtype, as the CPU does;
+    `arity` leading arguments decide the dtype (promoted together); empty=False: a kernel that
+    returns before looking at the dtype when its input is empty."""
+    lowerings = {id(TABLE[overload_of(n)]): (TABLE[overload_of(n)], n) for n in names}
+    for low, name in lowerings.values():
+        op = name.split("::")[1].split(".")[0]
+        low.validate = _refusing(low.validate, op, kinds, arity, exc, empty)
+
+
+refuse(("bool",), "aten::abs.default", "aten::floor.default", "aten::ceil.default",
+       "aten::trunc.default")
+refuse(("bool", "complex"), "aten::round.default")
+refuse(("bool", "int"), "aten::frac.default")
+refuse(("complex",), "aten::sign.default", "aten::digamma.default", "aten::signbit.default")
+refuse(("bool", "complex"), "aten::floor_divide.default", "aten::floor_divide.Scalar",
+       "aten::remainder.Tensor", "aten::remainder.Scalar", arity=2)
+refuse(("bool",), "aten::fmod.Tensor", "aten::fmod.Scalar", "aten::pow.Tensor_Tensor", arity=2)
+refuse(("complex",), "aten::atan2.default", "aten::xlogy.Tensor", "aten::lt.Tensor",
+       "aten::lt.Scalar", "aten::le.Tensor", "aten::le.Scalar", "aten::gt.Tensor",
+        "aten::gt.Scalar", "aten::ge.Tensor", "aten::ge.Scalar", arity=2)
+refuse(("complex",), "aten::heaviside.default", "aten::fmax.default", "aten::fmin.default",
+       arity=2, exc=RuntimeError)
+refuse(("bool", "int", "complex"), "aten::hypot.default", arity=2)
+refuse(("bool", "float", "complex"),
+       *(f"aten::{op}.{ov}" for op in ("bitwise_left_shift", "bitwise_right_shift")
+         for ov in ("Tensor", "Tensor_Scalar")),
+       *(f"aten::{op}.{ov}" for op in ("__lshift__", "__rshift__", "__ilshift__", "__irshift__")
+         for ov in ("Tensor", "Scalar")), arity=2)
+refuse(("bool", "int"), "aten::lerp.Scalar", "aten::lerp.Tensor")
+refuse(("complex",), "aten::clamp.default", "aten::clamp.Tensor", "aten::clamp_min.default",
+       "aten::clamp_min.Tensor", "aten::clamp_max.default", "aten::clamp_max.Tensor")
+refuse(("complex",), "aten::max.default", "aten::max.dim", "aten::min.default", "aten::min.dim",
+       "aten::amax.default", "aten::amin.default", "aten::aminmax.default", "aten::median.default",
+       "aten::median.dim", "aten::nanmedian.default", "aten::nanmedian.dim",
+       "aten::cummax.default", "aten::kthvalue.default")
+refuse(("bool", "complex"), "aten::argmax.default", "aten::argmin.default", exc=RuntimeError)
+refuse(("complex",), "aten::sort.default", "aten::sort.stable", "aten::topk.default",
+       "aten::nansum.default", exc=RuntimeError)
+refuse(("bool",), "aten::convolution.default")
+refuse(("bool", "int", "complex"), "aten::_softmax.default", "aten::_log_softmax.default",
+       empty=False)
+refuse(("bool", "int", "complex"), "aten::igamma.default", "aten::igammac.default", arity=2)
+
+for _name in ("neg.default", "round.default", "round.decimals", "bitwise_not.default", "frac.default",
+              "nan_to_num.default"):
+    TABLE[overload_of("aten::" + _name)].exact_out = True
+refuse(("bool",), "aten::addcmul.default")
+refuse(("bool", "int"), "aten::uniform_.default", "aten::normal_.default")
+refuse(("bool", "int"), "aten::_adaptive_avg_pool2d.default", "aten::_adaptive_avg_pool3d.default")
+refuse(("bool", "int"), "aten::var.correction", "aten::std.correction", "aten::var_mean.correction",
+       "aten::std_mean.correction", exc=RuntimeError)
