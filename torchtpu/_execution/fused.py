@@ -25,11 +25,10 @@ import torch
 
 from .._core import storage
 from .._core.storage import Failed, Pending
-from . import debug, modes, sync
+from . import bounded, debug, modes, sync
 from .._core import metrics
 
 max_ops = int(os.environ.get("TORCHTPU_FUSE_MAX_OPS", "2048"))
-_MAX_SEGMENTS = 512
 # Eager rounds every op's result to its dtype; XLA by default may keep a fused chain of
 # half-precision ops in float32, so fused eager would differ from strict eager (exp(3 * x) in
 # bfloat16 by up to 4%).  Fused eager promises eager's values, so the rounding stays.
@@ -57,7 +56,7 @@ class _Trace:
 
 
 _trace = None
-_segments = {}
+_segments = bounded.segment_cache("segment_evictions")
 # A backward pass starts a new segment.  The forward's index checks (embedding, the loss's
 # targets) forbid donating inputs to their segment, since a failure is replayed from intact
 # inputs; in a segment of its own, the backward and the optimizer step after it donate the
@@ -167,11 +166,10 @@ def flush(reason):
             outputs.append(p.slot)
     scalar_types = tuple(map(type, tr.scalars))
     key = (tuple(tr.signature), tuple(outputs), scalar_types)
-    segment = _segments.get(key)
+    segment = _segments.lookup(key)
     if segment is None:
-        if len(_segments) >= _MAX_SEGMENTS:
-            _segments.pop(next(iter(_segments)))
-        segment = _segments[key] = Segment(tr.signature, outputs, scalar_types)
+        segment = Segment(tr.signature, outputs, scalar_types)
+        _segments.insert(key, segment)
     packed = _pack_scalars(tr.scalars, scalar_types)
     start = time.perf_counter()
     try:

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten
 from .._core import runtime, storage
 from .._core.dtypes import to_jax_dtype, to_torch_dtype
 from .._core import registry
-from . import debug, fused, modes, overlap, strided, sync
+from . import bounded, debug, fused, modes, overlap, strided, sync
 from .._core import metrics
 from .random import next_key_parts, key_from_parts
 
@@ -164,6 +164,8 @@ class OpKernel:
         compiled = self.cache.get(key)
         if compiled is None:
             compiled = self._compile(key, vals, buffers, scalars, device)
+        else:
+            bounded.op_executables.lookup(compiled)  # marks it recently used
         if modes.fused:
             if not self.low.eager:
                 return fused.record(self, compiled, vals, buffers, scalars, device)
@@ -297,6 +299,7 @@ class OpKernel:
             if not self.low.eager:  # eager ops run un-jitted and are rebuilt per call
                 metrics.counters["compiles"] += 1
                 self.cache[key] = compiled
+                bounded.op_executables.insert(compiled, self.cache)
             return compiled
 
     def _build(self, vals, buffers, scalars, device):
