@@ -3,7 +3,7 @@
 TORCHTPU_EXECUTABLE_CACHE_SIZE (default 4096) caps the per-op executables of strict eager;
 fused segments and each compiled graph's layout variants, far larger programs, are capped at an
 eighth of it (512 by default).  A training step of the GPT in benchmarks/train_step.py uses
-about 200 per-op executables, so the default keeps every executable a model cycles through,
+83 per-op executables, so the default keeps every executable a model cycles through,
 while a program that meets a new shape on every call (2,000 shapes made 4,001 executables,
 3.2 GB, before this bound) stops growing at the cap.  An evicted executable is rebuilt on its
 next use (from the persistent cache when it was slow to compile); evictions are counted in

@@ -26,6 +26,7 @@ from .random import next_key_parts, key_from_parts
 
 _T, _TOPT, _TLIST, _SCALAR, _STATIC, _DEVICE, _SCALARLIST = range(7)
 _meta_device = torch.device("meta")
+_FUSED, _BLOCKING = modes.EagerMode.DEFER_AND_FUSE, modes.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
 
 
 class _Arg:
@@ -153,7 +154,9 @@ class OpKernel:
             device = runtime.current_device()
         if not buffers:
             key.append(torch.get_default_dtype())
-        if scalars and not modes.fused:
+        mode = modes.get_eager_mode()
+        fused_mode = mode is _FUSED
+        if scalars and not fused_mode:
             scalars = [_device_scalar(v, device) for v in scalars]
         if self.low.random:
             scalars = list(next_key_parts(device)) + scalars
@@ -166,7 +169,7 @@ class OpKernel:
             compiled = self._compile(key, vals, buffers, scalars, device)
         else:
             bounded.op_executables.lookup(compiled)  # marks it recently used
-        if modes.fused:
+        if fused_mode:
             if not self.low.eager:
                 return fused.record(self, compiled, vals, buffers, scalars, device)
             fused.flush("data_dependent")
@@ -174,7 +177,7 @@ class OpKernel:
         if self.low.eager:
             return self._run_eager(compiled, vals, arrays, buffers, scalars, device)
         metrics.counters[self.metric_key] += 1
-        if modes.blocking:
+        if mode is _BLOCKING:
             outs, updated, checks = self._run_blocking(compiled, vals, arrays, scalars)
         else:
             outs, updated, checks = compiled.fn(*arrays, *scalars)
