@@ -1,6 +1,7 @@
 """Bounded executable caches, fused mode under threads and interruption (issue 17, items 3-4).
 
 Tests that depend on the eager mode take it as a parameter and switch to it themselves."""
+import copy
 import signal
 import threading
 import time
@@ -61,10 +62,14 @@ def test_executable_cache_size_from_the_environment(monkeypatch):
 
 # --- threads -------------------------------------------------------------------------------
 
-def _train(seed, steps, device):
+def _model(seed):
+    # Built before the threads start: the global RNG they would share is not per thread.
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-    model.to(device)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _train(model, seed, steps, device):
+    model = copy.deepcopy(model).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randn(10, 6, generator=g), torch.randn(10, 3, generator=g)
@@ -104,14 +109,16 @@ def _in_threads(*fns):
 
 @pytest.mark.parametrize("mode", ["strict", "fused"])
 def test_two_threads_train_concurrently_like_the_cpu(mode):
+    models = {seed: _model(seed) for seed in (1, 2)}
+
     def run(seed):
         with torch.tpu.set_eager_mode(MODES[mode]):
             assert torch.tpu.eager_mode is MODES[mode]
-            return _train(seed, 6, "tpu")
+            return _train(models[seed], seed, 6, "tpu")
 
     tpu = _in_threads(lambda: run(1), lambda: run(2))
     for seed, (losses, params) in zip((1, 2), tpu):
-        cpu_losses, cpu_params = _train(seed, 6, "cpu")
+        cpu_losses, cpu_params = _train(models[seed], seed, 6, "cpu")
         torch.testing.assert_close(losses, cpu_losses, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(params, cpu_params, rtol=1e-5, atol=1e-6)
 
