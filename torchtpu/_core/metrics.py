@@ -36,7 +36,8 @@ _SECTIONS = [
                    "segment_evictions"]),
     ("torch.compile", ["graph_captures", "graph_recompiles", "graph_compiles", "graph_cache_hits",
                        "graph_eager_runs", "capture_seconds", "graph_evictions"]),
-    ("Compilation", ["compile_seconds", "persistent_cache_hits", "persistent_cache_misses"]),
+    ("Compilation", ["compile_seconds", "persistent_cache_hits", "persistent_cache_misses",
+                     "persistent_cache_rejected"]),
     ("Transfers", ["host_to_device", "host_to_device_bytes", "device_to_host",
                    "device_to_host_bytes"]),
     ("CPU fallback", ["cpu_fallbacks"]),
@@ -62,6 +63,7 @@ _EXPLAINED = {
     "capture_seconds": "seconds spent capturing graphs",
     "compile_seconds": "seconds in first runs of segments/graphs (trace + XLA compile)",
     "persistent_cache_hits": "executables loaded from the persistent cache",
+    "persistent_cache_rejected": "cache entries refused (corrupt, foreign or another version)",
     "persistent_cache_misses": "persistent cache lookups that missed",
 }
 
