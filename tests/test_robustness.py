@@ -51,7 +51,7 @@ def test_evicted_executables_are_rebuilt_and_still_right(monkeypatch):
 
 def test_executable_cache_size_from_the_environment(monkeypatch):
     monkeypatch.delenv("TORCHTPU_EXECUTABLE_CACHE_SIZE", raising=False)
-    assert bounded.size_from_environment() == 4096
+    assert bounded.size_from_environment() == 2048
     monkeypatch.setenv("TORCHTPU_EXECUTABLE_CACHE_SIZE", "17")
     assert bounded.size_from_environment() == 17
     for bad in ("0", "-3", "many"):

@@ -1,20 +1,21 @@
 """Bounds on the in-memory executable caches: the least recently used entries are evicted.
 
-TORCHTPU_EXECUTABLE_CACHE_SIZE (default 4096) caps the per-op executables of strict eager;
-fused segments and each compiled graph's layout variants, far larger programs, are capped at an
-eighth of it (512 by default).  A training step of the GPT in benchmarks/train_step.py uses
-83 per-op executables, so the default keeps every executable a model cycles through,
-while a program that meets a new shape on every call (2,000 shapes made 4,001 executables,
-3.2 GB, before this bound) stops growing at the cap.  An evicted executable is rebuilt on its
-next use (from the persistent cache when it was slow to compile); evictions are counted in
-`torchtpu.metrics()`, so a cap too small for a model shows up as a steady count.
+TORCHTPU_EXECUTABLE_CACHE_SIZE (default 2048) caps the per-op executables of strict eager;
+fused segments and each compiled graph's layout variants, far larger programs, are capped at a
+quarter of it (512 by default).  Why 2048: a per-op executable holds about 0.8 MB of host
+memory on XLA:CPU (2,000 new shapes made 4,001 executables, 3.2 GB, before this bound), so
+the cap keeps that under ~1.6 GB, while a training step of the GPT in benchmarks/train_step.py
+uses 83 per-op executables and decoding ~14 per new sequence length: models cycling through a
+few shapes never evict.  An evicted executable is rebuilt on its next use (from the persistent
+cache when it was slow to compile); evictions are counted in `torchtpu.metrics()`, so a cap
+too small for a model shows up as a steady count.
 """
 import collections
 import os
 
 from .._core import metrics
 
-_DEFAULT_SIZE = 4096
+_DEFAULT_SIZE = 2048
 
 
 def size_from_environment():
@@ -74,4 +75,4 @@ op_executables = LRU(SIZE, "executable_evictions", _drop_op_executable)
 
 
 def segment_cache(counter):
-    return LRU(max(1, SIZE // 8), counter)
+    return LRU(max(1, SIZE // 4), counter)

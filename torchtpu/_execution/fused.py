@@ -260,8 +260,8 @@ def _interrupts_held():
     """SIGINT (Ctrl-C) arriving inside is handled on exit, once the block is done: a
     KeyboardInterrupt between running a segment and storing its results would lose both the
     donated inputs and the outputs.  Python runs signal handlers in the main thread only."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield  # (None: a handler installed outside Python, which could not be put back)
         return
     received = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(frame))
