@@ -1,5 +1,6 @@
-"""`python -m torchtpu info` (platform, devices, versions, memory, eager mode) and
-`python -m torchtpu bench` (the benchmarks/ suite: per-op overhead and the training step)."""
+"""`python -m torchtpu info` (platform, devices, versions, memory, eager mode),
+`python -m torchtpu bench` (the benchmarks/ suite: per-op overhead and the training step) and
+`python -m torchtpu cache {info,clear}` (the persistent compilation cache)."""
 import argparse
 import sys
 
@@ -42,13 +43,27 @@ def bench(extra):
     return status
 
 
+def cache(action):
+    """`python -m torchtpu cache info` shows the compilation cache, `cache clear` empties it."""
+    from torchtpu._compile import cache as compilation_cache
+    if action == "clear":
+        print(f"removed {compilation_cache.clear()} entries from {compilation_cache.directory()}")
+    else:
+        print("\n".join(compilation_cache.info()))
+    return 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m torchtpu")
-    p.add_argument("command", choices=["info", "bench"])
+    p.add_argument("command", choices=["info", "bench", "cache"])
     args, extra = p.parse_known_args(argv)
     if args.command == "info":
         info()
         return 0
+    if args.command == "cache":
+        if extra not in (["info"], ["clear"]):
+            p.error("usage: python -m torchtpu cache {info,clear}")
+        return cache(extra[0])
     return bench(extra)
 
 

@@ -15,7 +15,7 @@ import jax
 import torch
 
 from .._core import storage
-from .._execution import fused, sync
+from .._execution import bounded, fused, sync
 from .._core import metrics
 from .._execution.debug import describe_key
 from .._execution.random import next_key_parts
@@ -239,7 +239,7 @@ class CompiledGraph:
         self._boxed_call = True
         self.gm = gm
         self.name = name
-        self.variants = {}
+        self.variants = bounded.segment_cache("graph_evictions")
         self.eager = False
 
     def __call__(self, *args):
@@ -250,7 +250,7 @@ class CompiledGraph:
         key, buffers = layout_key(args)
         if not self.variants and _host_nodes(self.gm):
             return self._run_eagerly(args, "it computes on the host: " + ", ".join(sorted(set(_host_nodes(self.gm)))))
-        captured = self.variants.get(key)
+        captured = self.variants.lookup(key)
         if captured is None:
             if any(isinstance(k, tuple) and k and k[0] == "host" for k in key):
                 return self._run_eagerly(args, "it has inputs on the host")
@@ -264,7 +264,7 @@ class CompiledGraph:
                 return self._run_eagerly(args, str(e))
             finally:
                 metrics.counters["capture_seconds"] += time.perf_counter() - start
-            self.variants[key] = captured
+            self.variants.insert(key, captured)
         return captured(args, buffers)
 
     def _run_eagerly(self, args, why):

@@ -54,10 +54,12 @@ def span(name):
 
 _SECTIONS = [
     ("Execution", ["ops", "fused_ops", "compiles", "flushes", "segment_compiles",
-                   "segment_cache_hits", "donated_buffers", "syncs"]),
+                   "segment_cache_hits", "donated_buffers", "syncs", "executable_evictions",
+                   "segment_evictions"]),
     ("torch.compile", ["graph_captures", "graph_recompiles", "graph_compiles", "graph_cache_hits",
-                       "graph_eager_runs", "capture_seconds"]),
-    ("Compilation", ["compile_seconds", "persistent_cache_hits", "persistent_cache_misses"]),
+                       "graph_eager_runs", "capture_seconds", "graph_evictions"]),
+    ("Compilation", ["compile_seconds", "persistent_cache_hits", "persistent_cache_misses",
+                     "persistent_cache_rejected"]),
     ("Transfers", ["host_to_device", "host_to_device_bytes", "device_to_host",
                    "device_to_host_bytes"]),
     ("CPU fallback", ["cpu_fallbacks"]),
@@ -70,6 +72,8 @@ _EXPLAINED = {
     "flushes": "fused segments run",
     "segment_compiles": "fused segment structures compiled",
     "segment_cache_hits": "fused segments replayed from the cache",
+    "executable_evictions": "per-op executables dropped by the cache bound (LRU)",
+    "segment_evictions": "fused segments dropped by the cache bound (LRU)",
     "donated_buffers": "input arrays consumed in place by segments/graphs",
     "syncs": "data-dependent ops that waited for values",
     "graph_captures": "compiled graphs captured (one per input layout)",
@@ -77,9 +81,11 @@ _EXPLAINED = {
     "graph_compiles": "compiled-graph executables built",
     "graph_cache_hits": "compiled-graph calls that reused an executable",
     "graph_eager_runs": "compiled graphs that had to run op by op",
+    "graph_evictions": "compiled-graph variants dropped by the cache bound (LRU)",
     "capture_seconds": "seconds spent capturing graphs",
     "compile_seconds": "seconds in first runs of segments/graphs (trace + XLA compile)",
     "persistent_cache_hits": "executables loaded from the persistent cache",
+    "persistent_cache_rejected": "cache entries refused (corrupt, foreign or another version)",
     "persistent_cache_misses": "persistent cache lookups that missed",
 }
 

@@ -131,9 +131,10 @@ class DeviceBuffer:
         return a
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=256)
 def _zeros(n, dtype, index):
-    """A cached executable making n zeros on a device (eager jnp.zeros costs far more)."""
+    """A cached executable making n zeros on a device (eager jnp.zeros costs far more).  Bounded
+    like the op executables: one per storage size would otherwise grow without end."""
     return jax.jit(lambda: jnp.zeros((n,), dtype), out_shardings=jax.sharding.SingleDeviceSharding(
         runtime.jax_device(index)))
 

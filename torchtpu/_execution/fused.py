@@ -13,8 +13,11 @@ results are still referenced), so a training loop compiles each distinct segment
 only replays it.  Intermediate values that no live tensor holds are never materialised, and
 storages that the segment overwrites are donated to it where the platform supports donation.
 """
+import contextlib
 import os
+import signal
 import sys
+import threading
 import time
 import warnings
 import weakref
@@ -25,12 +28,11 @@ import torch
 
 from .._core import storage
 from .._core.storage import Failed, Pending
-from . import debug, modes, sync
+from . import bounded, debug, modes, sync
 from .._core import metrics
 from .._core.metrics import FlushReason
 
 max_ops = int(os.environ.get("TORCHTPU_FUSE_MAX_OPS", "2048"))
-_MAX_SEGMENTS = 512
 # Eager rounds every op's result to its dtype; XLA by default may keep a fused chain of
 # half-precision ops in float32, so fused eager would differ from strict eager (exp(3 * x) in
 # bfloat16 by up to 4%).  Fused eager promises eager's values, so the rounding stays.
@@ -58,8 +60,13 @@ class _Trace:
         flush(reason)
 
 
+# One trace for the process, recorded and flushed under one lock: threads in fused mode append
+# to it in turn, and a thread reading a value another thread's flush is producing waits for it
+# (per-thread traces would split a backward pass from its forward: the autograd engine runs
+# backward ops on a thread of its own).  Reentrant: a flush can start from inside `record`.
+_lock = threading.RLock()
 _trace = None
-_segments = {}
+_segments = bounded.segment_cache("segment_evictions")
 # A backward pass starts a new segment.  The forward's index checks (embedding, the loss's
 # targets) forbid donating inputs to their segment, since a failure is replayed from intact
 # inputs; in a segment of its own, the backward and the optimizer step after it donate the
@@ -69,6 +76,11 @@ _graph_task_id = torch._C._current_graph_task_id  # >= 0 while the autograd engi
 
 
 def record(kernel, compiled, vals, buffers, scalars, device):
+    with _lock:
+        return _record(kernel, compiled, vals, buffers, scalars, device)
+
+
+def _record(kernel, compiled, vals, buffers, scalars, device):
     global _trace
     tr = _trace
     if tr is None or tr.device != device:
@@ -115,11 +127,23 @@ def record(kernel, compiled, vals, buffers, scalars, device):
 
 
 def set_mode(mode):
-    """Switch the eager mode; leaving fused mode first runs what it deferred."""
+    """`torch.tpu.eager_mode = mode`: the process-wide default; leaving fused mode first runs
+    what it deferred."""
     mode = modes._coerce(mode)
-    if modes.fused and mode is not modes.EagerMode.DEFER_AND_FUSE:
+    _leaving_fused(mode)
+    modes._set_default(mode)
+
+
+def set_thread_mode(mode):
+    """The calling thread's own mode (None: back to the default), flushing as above."""
+    mode = None if mode is None else modes._coerce(mode)
+    _leaving_fused(mode or modes._default)
+    modes._set_own(mode)
+
+
+def _leaving_fused(mode):
+    if modes.get_eager_mode() is modes.EagerMode.DEFER_AND_FUSE and mode is not modes.EagerMode.DEFER_AND_FUSE:
         flush(FlushReason.MODE_CHANGE)
-    modes._set(mode)
 
 
 class CaptureBroken(RuntimeError):
@@ -131,30 +155,45 @@ def capture(fn, device):
     """Record the ops `fn()` runs into a fresh trace that the caller takes over (it is not
     run here); returns (trace, fn's result)."""
     global _trace
-    flush(FlushReason.CAPTURE)
-    previous = modes.current
-    modes._set(modes.EagerMode.DEFER_AND_FUSE)
-    tr = _trace = _Trace(device)
-    tr.captured = True
-    try:
-        result = fn()
-    finally:
-        intact = _trace is tr
-        _trace = None
-        modes._set(previous)
+    with _lock:
+        flush(FlushReason.CAPTURE)
+        previous = modes.own_mode()
+        set_thread_mode(modes.EagerMode.DEFER_AND_FUSE)
+        tr = _trace = _Trace(device)
+        tr.captured = True
+        try:
+            result = fn()
+        finally:
+            intact = _trace is tr
+            _trace = None
+            set_thread_mode(previous)
     if not intact:
         raise CaptureBroken("the captured ops were forced to run part-way")
     return tr, result
 
 
 def flush(reason):
-    """Run the pending trace (if any) now; `reason` is counted in the metrics."""
+    """Run the pending trace (if any) now; `reason` is counted in the metrics.
+
+    Interruption (Ctrl-C) never loses a value.  While the segment compiles, nothing has been
+    consumed: the trace is put back, its tensors stay pending and the next read runs it again.
+    Running the executable (which may consume donated inputs) and storing its results happen
+    with SIGINT held back until they are done, so every tensor then has its new value."""
     global _trace
-    tr = _trace
-    if tr is None:
-        return
-    _trace = None
-    reason = FlushReason(reason)  # one of the listed reasons, never a free string
+    with _lock:
+        tr = _trace
+        if tr is None:
+            return
+        _trace = None
+        try:
+            _flush(tr, reason)
+        except BaseException:
+            if tr.pendings and _trace is None:  # not run: it runs again when next needed
+                _trace = tr
+            raise
+
+
+def _flush(tr, reason):
     if tr.captured:
         raise CaptureBroken(f"the ops being captured had to run part-way ({reason})")
     counters = metrics.counters
@@ -170,11 +209,10 @@ def flush(reason):
             outputs.append(p.slot)
     scalar_types = tuple(map(type, tr.scalars))
     key = (tuple(tr.signature), tuple(outputs), scalar_types)
-    segment = _segments.get(key)
+    segment = _segments.lookup(key)
     if segment is None:
-        if len(_segments) >= _MAX_SEGMENTS:
-            _segments.pop(next(iter(_segments)))
-        segment = _segments[key] = Segment(tr.signature, outputs, scalar_types)
+        segment = Segment(tr.signature, outputs, scalar_types)
+        _segments.insert(key, segment)
     packed = _pack_scalars(tr.scalars, scalar_types)
     start = time.perf_counter()
     try:
@@ -184,27 +222,32 @@ def flush(reason):
     donate = segment.donatable(tr.ext_arrays)
     compiling = not segment.has_executable(donate)
     try:
-        with metrics.span(f"torchtpu::flush ({reason})"):
-            results, checks = segment.run(tr.ext_arrays, donate, packed)
-        failed = _first_failed_check(checks)
+        segment.compile(tr.ext_arrays, donate, packed)
     except Exception:
-        failed = -1
-    if compiling:
-        counters["segment_compiles"] += 1
-        counters["compile_seconds"] += time.perf_counter() - start
-    else:
-        counters["segment_cache_hits"] += 1
+        pass  # running it fails the same way, and is replayed op by op
     try:
-        if failed is not None:
-            _replay_and_raise(tr, reason)
-            return
-        for slot, array in zip(outputs, results):
-            p = tr.pendings[slot]
-            owner = p.owner()
-            if owner is not None and owner._array is p:
-                owner._array = array
-        if results:
-            sync.track(results[0])
+        with _interrupts_held():
+            try:
+                with metrics.span(f"torchtpu::flush ({reason})"):
+                    results, checks = segment.run(tr.ext_arrays, donate, packed)
+                failed = _first_failed_check(checks)
+            except Exception:
+                failed = -1
+            if compiling:
+                counters["segment_compiles"] += 1
+                counters["compile_seconds"] += time.perf_counter() - start
+            else:
+                counters["segment_cache_hits"] += 1
+            if failed is not None:
+                _replay_and_raise(tr, reason)
+                return
+            for slot, array in zip(outputs, results):
+                p = tr.pendings[slot]
+                owner = p.owner()
+                if owner is not None and owner._array is p:
+                    owner._array = array
+            if results:
+                sync.track(results[0])
     finally:
         # The trace and its Pending values refer to each other, so only the cyclic garbage
         # collector frees it: until then, the arrays it read would stay referenced, and the
@@ -212,6 +255,27 @@ def flush(reason):
         tr.ext_arrays.clear()
         tr.ext_ids.clear()
         tr.pendings.clear()
+
+
+@contextlib.contextmanager
+def _interrupts_held():
+    """SIGINT (Ctrl-C) arriving inside is handled on exit, once the block is done: a
+    KeyboardInterrupt between running a segment and storing its results would lose both the
+    donated inputs and the outputs.  Python runs signal handlers in the main thread only."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield  # (None: a handler installed outside Python, which could not be put back)
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            if callable(previous):
+                previous(signal.SIGINT, received[0])
+            elif previous == signal.SIG_DFL:
+                signal.raise_signal(signal.SIGINT)
 
 
 # Python numbers are passed to the segment packed into one array per type (one transfer
@@ -281,18 +345,23 @@ class Segment:
     def has_executable(self, donate):
         return donate in self.executables
 
-    def run(self, ext_arrays, donate, packed_scalars):
-        """(results, checks) of the executable for this donation pattern (built if new)."""
+    def compile(self, ext_arrays, donate, packed_scalars):
+        """The executable for this donation pattern, compiled ahead of running it if new: a
+        compile is the long part of a first run, and an interrupted one consumes nothing."""
         fn = self.executables.get(donate)
         if fn is None:
-            fn = self.executables[donate] = jax.jit(
-                _segment_function(*self.structure, donate), donate_argnums=(0,) if any(donate) else (),
-                compiler_options=_EAGER_ROUNDING)
-        donated = [a for a, d in zip(ext_arrays, donate) if d]
-        kept = [a for a, d in zip(ext_arrays, donate) if not d]
-        with warnings.catch_warnings():
-            # Donating a freed array that no output can reuse is harmless; JAX warns anyway.
-            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            fn = jax.jit(_segment_function(*self.structure, donate),
+                         donate_argnums=(0,) if any(donate) else (), compiler_options=_EAGER_ROUNDING)
+            with _donation_warnings_ignored():
+                fn.lower(*_split(ext_arrays, donate), packed_scalars).compile()
+            self.executables[donate] = fn
+        return fn
+
+    def run(self, ext_arrays, donate, packed_scalars):
+        """(results, checks) of the executable for this donation pattern (built if new)."""
+        fn = self.compile(ext_arrays, donate, packed_scalars)
+        donated, kept = _split(ext_arrays, donate)
+        with _donation_warnings_ignored():
             results, checks = fn(donated, kept, packed_scalars)
         metrics.counters["donated_buffers"] += len(donated)
         return results, checks
@@ -301,6 +370,20 @@ class Segment:
         fn = jax.jit(_segment_function(*self.structure, (False,) * len(ext_arrays)),
                      compiler_options=_EAGER_ROUNDING)
         return fn.lower([], ext_arrays, packed_scalars)
+
+
+@contextlib.contextmanager
+def _donation_warnings_ignored():
+    # Donating a freed array that no output can reuse is harmless; JAX warns anyway.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+        yield
+
+
+def _split(ext_arrays, donate):
+    """(donated, kept): the two argument lists of a segment's executable."""
+    return ([a for a, d in zip(ext_arrays, donate) if d],
+            [a for a, d in zip(ext_arrays, donate) if not d])
 
 
 def _segment_function(signature, outputs, scalar_types, donate):
@@ -385,7 +468,7 @@ def _commit(tr, slots):
 
 
 def _on_optimizer_step(optimizer, args, kwargs):
-    if modes.fused:
+    if modes.get_eager_mode() is modes.EagerMode.DEFER_AND_FUSE:
         flush(FlushReason.OPTIMIZER_STEP)
 
 

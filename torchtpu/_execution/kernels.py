@@ -2,6 +2,7 @@
 import torch
 
 from .._core import registry
+from . import bounded
 from .op_kernel import OpKernel
 
 _kernels = {}
@@ -31,3 +32,4 @@ def register_table(lib, skip=()):
 def clear_caches():
     for k in _kernels.values():
         k.cache.clear()
+    bounded.op_executables.clear()

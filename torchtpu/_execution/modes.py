@@ -6,8 +6,11 @@ DEFER_NEVER_AND_LAUNCH_BLOCKING  debug: every op also waits for its result; runt
                                  the aten op, its inputs and the user's line
 DEFER_AND_FUSE                   fused: ops are recorded and run later as one cached executable
 """
+import contextvars
 import enum
 import os
+
+import torch
 
 
 class EagerMode(enum.Enum):
@@ -24,10 +27,13 @@ def _from_environment():
     return EagerMode.DEFER_NEVER
 
 
-# Read on every op, so kept as plain module-level values.
-current = _from_environment()
-fused = current is EagerMode.DEFER_AND_FUSE
-blocking = current is EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
+# The process-wide default (`torch.tpu.eager_mode = ...`), and the mode a thread chose for
+# itself (`torch.tpu.set_eager_mode`), which wins in that thread.  A context variable rather
+# than a thread-local: PyTorch hands the context of the thread that starts a backward pass to
+# the autograd engine's device thread that runs it, so backward ops run in their caller's mode.
+_default = _from_environment()
+_own = contextvars.ContextVar("torchtpu_eager_mode", default=None)
+_graph_task_id = torch._C._current_graph_task_id  # >= 0 while the autograd engine runs
 check_nans = os.environ.get("TORCHTPU_CHECK_NANS", "0") not in ("", "0")
 
 
@@ -43,13 +49,39 @@ def _coerce(mode):
 
 
 def get_eager_mode():
-    return current
+    """The calling thread's mode (read on every op)."""
+    mode = _own.get()
+    if mode is None and _graph_task_id() >= 0 and torch._C._is_key_in_tls("context"):
+        mode = torch._C._get_obj_in_tls("context").get(_own)
+    return mode or _default
 
 
-def _set(mode):
-    """Switch the mode; leaving fused mode must flush its trace first (torch.tpu.set_eager_mode
-    does)."""
-    global current, fused, blocking
-    current = mode = _coerce(mode)
-    fused = mode is EagerMode.DEFER_AND_FUSE
-    blocking = mode is EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
+def __getattr__(name):
+    # `modes.current` / `.fused` / `.blocking`: the calling thread's mode, as module values
+    # once were (the process-wide mode before threads could choose their own).
+    if name == "current":
+        return get_eager_mode()
+    if name == "fused":
+        return get_eager_mode() is EagerMode.DEFER_AND_FUSE
+    if name == "blocking":
+        return get_eager_mode() is EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def own_mode():
+    """The mode the calling thread chose for itself (None: it follows the default)."""
+    return _own.get()
+
+
+def _set_default(mode):
+    """The process-wide default; the calling thread's own choice, if it made one, follows (it
+    asked for this mode).  Leaving fused mode must flush its trace first (fused.set_mode does)."""
+    global _default
+    _default = _coerce(mode)
+    if _own.get() is not None:
+        _own.set(_default)
+
+
+def _set_own(mode):
+    """The calling thread's own mode (None: the default again); flush first as above."""
+    _own.set(None if mode is None else _coerce(mode))

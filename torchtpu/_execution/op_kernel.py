@@ -22,13 +22,14 @@ from .._core import runtime, storage
 from .._core.dtypes import to_jax_dtype, to_torch_dtype
 from .._core import registry
 from .._lowerings.meta import dtype_name
-from . import debug, fused, modes, overlap, strided, sync
+from . import bounded, debug, fused, modes, overlap, strided, sync
 from .._core import metrics
 from .._core.metrics import FlushReason
 from .random import next_key_parts, key_from_parts
 
 _T, _TOPT, _TLIST, _SCALAR, _STATIC, _DEVICE, _SCALARLIST = range(7)
 _meta_device = torch.device("meta")
+_FUSED, _BLOCKING = modes.EagerMode.DEFER_AND_FUSE, modes.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
 
 
 class _Arg:
@@ -168,7 +169,9 @@ class OpKernel:
             device = runtime.current_device()
         if not buffers:
             key.append(torch.get_default_dtype())
-        if scalars and not modes.fused:
+        mode = modes.get_eager_mode()
+        fused_mode = mode is _FUSED
+        if scalars and not fused_mode:
             scalars = [_device_scalar(v, device) for v in scalars]
         if self.low.random:
             scalars = list(next_key_parts(device)) + scalars
@@ -179,7 +182,9 @@ class OpKernel:
         compiled = self.cache.get(key)
         if compiled is None:
             compiled = self._compile(key, vals, buffers, scalars, device)
-        if modes.fused:
+        else:
+            bounded.op_executables.lookup(compiled)  # marks it recently used
+        if fused_mode:
             if not self.low.eager:
                 return fused.record(self, compiled, vals, buffers, scalars, device)
             fused.flush(FlushReason.DATA_DEPENDENT)
@@ -187,7 +192,7 @@ class OpKernel:
         if self.low.eager:
             return self._run_eager(compiled, vals, arrays, buffers, scalars, device)
         metrics.counters[self.metric_key] += 1
-        if modes.blocking:
+        if mode is _BLOCKING:
             outs, updated, checks = self._run_blocking(compiled, vals, arrays, scalars)
         else:
             outs, updated, checks = compiled.fn(*arrays, *scalars)
@@ -312,6 +317,7 @@ class OpKernel:
             if not self.low.eager:  # eager ops run un-jitted and are rebuilt per call
                 metrics.counters["compiles"] += 1
                 self.cache[key] = compiled
+                bounded.op_executables.insert(compiled, self.cache)
             return compiled
 
     def _build(self, vals, buffers, scalars, device):

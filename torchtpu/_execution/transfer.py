@@ -21,7 +21,7 @@ aten = torch.ops.aten
 _NUMPY_MAX_DIMS = 64
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=256)  # one executable per view layout read: bounded
 def _reader(shape, stride, offset, dtype):
     return jax.jit(lambda a: strided.read(a, shape, stride, offset, dtype))
 

@@ -237,27 +237,29 @@ get_eager_mode = _modes.get_eager_mode
 
 
 class set_eager_mode:
-    """`torch.tpu.set_eager_mode(mode)` switches at once; used as a context manager it also
-    restores the previous mode on exit, exceptions included."""
+    """`torch.tpu.set_eager_mode(mode)` switches the calling thread at once (other threads keep
+    theirs, or the default `torch.tpu.eager_mode`); used as a context manager it also restores
+    the thread's previous mode on exit, exceptions included."""
 
     def __init__(self, mode):
-        self.previous = _modes.current
-        _fused.set_mode(mode)
+        self.previous = _modes.own_mode()
+        _fused.set_thread_mode(mode)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        _fused.set_mode(self.previous)
+        _fused.set_thread_mode(self.previous)
         return False
 
 
 class _DeviceModule(types.ModuleType):
-    """Lets `torch.tpu.eager_mode` be read and assigned like an attribute."""
+    """Lets `torch.tpu.eager_mode` be read and assigned like an attribute: reading gives the
+    calling thread's mode, assigning sets the process-wide default."""
 
     @property
     def eager_mode(self):
-        return _modes.current
+        return _modes.get_eager_mode()
 
     @eager_mode.setter
     def eager_mode(self, mode):
