@@ -169,3 +169,11 @@ def _fused_gru_cell_backward(grad_hy, workspace, has_bias):
 _impl("_thnn_fused_lstm_cell", _fused_lstm_cell)
 _impl("_thnn_fused_gru_cell", _fused_gru_cell)
 _impl("_thnn_fused_gru_cell_backward", _fused_gru_cell_backward)
+
+
+def _aminmax(x, dim=None, keepdim=False):
+    return torch.aminmax(x) if dim is None else torch.aminmax(x, dim=dim, keepdim=keepdim)
+
+
+_impl("_aminmax", _aminmax)
+_impl("_aminmax.dim", _aminmax)

@@ -520,7 +520,7 @@ def grid_sampler_3d(x, grid, interpolation_mode, padding_mode, align_corners):
 
 
 # --- embedding_bag -----------------------------------------------------------------------------
-@lowering("aten::_embedding_bag.default")
+@lowering("aten::_embedding_bag.default", "aten::_embedding_bag_forward_only.default")
 def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
                   per_sample_weights=None, include_last_offset=False, padding_idx=-1):
     n, dim = indices.shape[0], weight.shape[1]
