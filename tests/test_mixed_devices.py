@@ -89,3 +89,12 @@ def test_zero_dim_cpu_operand_promotion_and_in_place():
     assert_same(y, torch.tensor([-1.0, -2.0]))
     with pytest.raises(RuntimeError, match="same device"):
         y + torch.tensor([1.0, 2.0])  # only 0-dim CPU tensors mix
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_cpu_values_refused_as_on_cuda(accumulate):
+    # CUDA moves CPU indices but not CPU values (PyTorch's test_invalid_device).
+    x = torch.zeros(5, device="tpu")
+    with pytest.raises(RuntimeError, match="same device"):
+        x.index_put_((torch.tensor([0, 1]),), torch.tensor([1.0, 2.0]), accumulate=accumulate)
+    assert_same(x, torch.zeros(5))
