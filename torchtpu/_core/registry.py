@@ -13,7 +13,10 @@ overload, so an op is written once:
 import dataclasses
 import enum
 import functools
+import os
+import sys
 import threading
+import warnings
 from typing import Callable
 
 import jax
@@ -176,3 +179,28 @@ def check(ok, message, exc_type=IndexError):
     The executable returns the predicate; the op synchronises on it before committing any
     output, so a failing op leaves every tensor unchanged (JAX itself would clamp or drop)."""
     _trace_state.checks.append((ok, exc_type, message))
+
+
+def deprecated(message, validate=None):
+    """A `validate` hook emitting PyTorch's once-per-process deprecation warning for an op
+    (TORCH_WARN_ONCE in its CPU kernel), then running `validate`."""
+    warned = []
+
+    def hook(*args):
+        if not warned:
+            warned.append(True)
+            warnings.warn(message, UserWarning, stacklevel=_user_stacklevel())
+        if validate is not None:
+            validate(*args)
+    return hook
+
+
+_INTERNAL = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
+
+
+def _user_stacklevel():
+    """warnings.warn's stacklevel naming the innermost caller outside torch and torchtpu."""
+    level, f = 2, sys._getframe(2)
+    while f is not None and f.f_code.co_filename.startswith(_INTERNAL):
+        level, f = level + 1, f.f_back
+    return level

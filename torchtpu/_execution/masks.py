@@ -1,5 +1,9 @@
-"""Boolean-mask indexing (`x[mask]`, `x[mask] = v`): the mask's nonzero() positions decide the
-result's shape, so it synchronises (as on CUDA), then runs the integer-index lowering."""
+"""Advanced indexing (`x[idx]`, `x[mask]`, `x[mask] = v`, `index_put_`).
+
+Index tensors may live on the CPU, as CUDA accepts them for these ops (and only these:
+`index_select`, `gather` & co. refuse another device there too): they are copied to the
+indexed tensor's device first.  A boolean mask's nonzero() positions decide the result's shape,
+so a device mask synchronises (as on CUDA); then the integer-index lowering runs."""
 import warnings
 
 import torch
@@ -36,33 +40,29 @@ def _integer_indices(x, indices):
             out.extend(i.nonzero().unbind(1))
         else:
             out.append(i)
-    return out
-
-
-def _has_mask(indices):
-    return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices)
+    # A 0-dim CPU index is an ordinary traced operand already; the rest are copied over.
+    return [i.to(x.device) if i is not None and i.device != x.device and i.dim() else i for i in out]
 
 
 def register(lib):
-    index, index_put, index_put_ = (kernel_for(aten.index.Tensor), kernel_for(aten.index_put.default),
-                                    kernel_for(aten.index_put_.default))
+    index, index_put, index_put_, impl = (
+        kernel_for(aten.index.Tensor), kernel_for(aten.index_put.default),
+        kernel_for(aten.index_put_.default), kernel_for(aten._index_put_impl_.default))
 
     def index_kernel(x, indices):
-        return index(x, _integer_indices(x, indices) if _has_mask(indices) else indices)
+        return index(x, _integer_indices(x, indices))
 
     def index_put_kernel(x, indices, values, accumulate=False):
-        return index_put(x, _integer_indices(x, indices) if _has_mask(indices) else indices, values, accumulate)
+        return index_put(x, _integer_indices(x, indices), values, accumulate)
 
     def index_put__kernel(x, indices, values, accumulate=False):
-        return index_put_(x, _integer_indices(x, indices) if _has_mask(indices) else indices, values, accumulate)
+        return index_put_(x, _integer_indices(x, indices), values, accumulate)
+
+    def index_put_impl_kernel(x, indices, values, accumulate=False, unsafe=False):
+        return impl(x, _integer_indices(x, indices), values, accumulate, unsafe)
 
     lib.impl(aten.index.Tensor, index_kernel, "PrivateUse1")
     lib.impl(aten.index_put.default, index_put_kernel, "PrivateUse1")
-    impl = kernel_for(aten._index_put_impl_.default)
-
-    def index_put_impl_kernel(x, indices, values, accumulate=False, unsafe=False):
-        return impl(x, _integer_indices(x, indices) if _has_mask(indices) else indices, values, accumulate, unsafe)
-
     lib.impl(aten.index_put_.default, index_put__kernel, "PrivateUse1")
     lib.impl(aten._index_put_impl_.default, index_put_impl_kernel, "PrivateUse1")
     return {aten.index.Tensor, aten.index_put.default, aten.index_put_.default,

@@ -282,8 +282,14 @@ class OpKernel:
         metas = {}
 
         def meta_of(t):
-            if not isinstance(t, torch.Tensor) or t.device.type != "tpu":
+            if not isinstance(t, torch.Tensor):
                 return t
+            if t.device.type != "tpu":
+                # A 0-dim CPU operand is a traced scalar here (see _tensor); some meta kernels
+                # (Python refs) refuse to mix devices, so their computation sees a meta one.
+                # Wrapped numbers stay CPU tensors: a meta copy would lose their promotion rule.
+                cpu_scalar = t.dim() == 0 and t.device.type == "cpu" and not _is_wrapped_number(t)
+                return torch.empty((), dtype=t.dtype, device="meta") if cpu_scalar else t
             st = t.untyped_storage()
             base = metas.get(id(st))
             if base is None:

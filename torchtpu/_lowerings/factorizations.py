@@ -265,6 +265,12 @@ def linalg_eig(a):
     return jnp.linalg.eig(a)
 
 
+@lowering("aten::_linalg_eigvals.default")
+def linalg_eigvals(a):
+    # linalg_eigvals runs this only when no gradient is needed (else linalg_eig).
+    return jnp.linalg.eigvals(a)
+
+
 @lowering("aten::linalg_householder_product.default")
 def linalg_householder_product(a, tau):
     from jax._src.lax.linalg import householder_product  # LAPACK's orgqr; not public in jax.lax

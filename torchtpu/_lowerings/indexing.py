@@ -132,6 +132,13 @@ def scatter_reduce(x, dim, index, src, reduce, include_self=True):
     raise NotImplementedError(f"scatter_reduce with reduce={reduce!r}")
 
 
+@lowering("aten::scatter.reduce", "aten::scatter.value_reduce")
+def scatter_with_reduce(x, dim, index, src, reduce):
+    if jnp.ndim(src) == 0:  # value_reduce: a Scalar
+        src = jnp.full(index.shape, src, x.dtype)
+    return scatter_reduce(x, dim, index, src, {"add": "sum", "multiply": "prod"}[reduce])
+
+
 def _check_index_add(x, dim, index, source, alpha=1):
     # PyTorch's CPU kernel checks these; its meta kernel does not.
     if source.dtype != x.dtype:

@@ -147,3 +147,46 @@ _impl("complex.out", _complex_out)
 _impl("aminmax.out", _aminmax_out)
 _impl("fractional_max_pool3d_backward", _like_self)
 _impl("_ctc_loss_backward", _like_self)
+
+
+def _check_rnn_cell(input_gates, hidden_gates, input_bias, hidden_bias, factor, prev_hidden):
+    # PyTorch's own size checks; its device check dereferences the optional biases, so absent
+    # ones are stood in for by biases of the expected size.
+    from torch._meta_registrations import rnn_cell_checkSizes
+    if input_bias is None and hidden_bias is None:
+        input_bias = hidden_bias = input_gates.new_empty(input_gates.shape[-1:])
+    rnn_cell_checkSizes(input_gates, hidden_gates, input_bias, hidden_bias, factor, prev_hidden)
+
+
+def _fused_lstm_cell(input_gates, hidden_gates, cx, input_bias=None, hidden_bias=None):
+    _check_rnn_cell(input_gates, hidden_gates, input_bias, hidden_bias, 4, cx)
+    return (torch.empty_like(cx, memory_format=torch.contiguous_format),
+            torch.empty_like(cx, memory_format=torch.contiguous_format),
+            torch.empty_like(input_gates, memory_format=torch.contiguous_format))
+
+
+def _fused_gru_cell(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
+    _check_rnn_cell(input_gates, hidden_gates, input_bias, hidden_bias, 3, hx)
+    # workspace: the r and z pre-activations, the input's and the hidden's n part, hx
+    return (torch.empty_like(hx, memory_format=torch.contiguous_format),
+            hx.new_empty((hx.shape[0], hx.shape[1] * 5)))
+
+
+def _fused_gru_cell_backward(grad_hy, workspace, has_bias):
+    gates = grad_hy.new_empty((grad_hy.shape[0], grad_hy.shape[1] * 3))
+    bias = gates.new_empty(gates.shape[1:]) if has_bias else None
+    return gates, torch.empty_like(gates), torch.empty_like(grad_hy), bias, \
+        None if bias is None else torch.empty_like(bias)
+
+
+_impl("_thnn_fused_lstm_cell", _fused_lstm_cell)
+_impl("_thnn_fused_gru_cell", _fused_gru_cell)
+_impl("_thnn_fused_gru_cell_backward", _fused_gru_cell_backward)
+
+
+def _aminmax(x, dim=None, keepdim=False):
+    return torch.aminmax(x) if dim is None else torch.aminmax(x, dim=dim, keepdim=keepdim)
+
+
+_impl("_aminmax", _aminmax)
+_impl("_aminmax.dim", _aminmax)

@@ -452,9 +452,13 @@ def _gather(x, index, sizes):
     """x (N, C, *sizes) at integer positions `index` (per dim, each (N, *out)) as (N, C, *out),
     zero where outside the input."""
     inside = functools.reduce(operator.and_, [(i >= 0) & (i < n) for i, n in zip(index, sizes)])
-    safe = [jnp.clip(i, 0, n - 1) for i, n in zip(index, sizes)]
-    values = jax.vmap(lambda v, *ii: v[(slice(None),) + tuple(ii)])(x, *safe)
-    return jnp.where(inside[:, None], values, 0)
+    # One gather from the flattened spatial dims: a per-sample gather of several index arrays
+    # (a vmapped x[:, i, j, k]) transposes into scatters XLA takes seconds to compile.
+    flat = functools.reduce(lambda acc, pair: acc * pair[1] + jnp.clip(pair[0], 0, pair[1] - 1),
+                            zip(index, sizes), 0)
+    n, c, out = x.shape[0], x.shape[1], flat.shape[1:]
+    values = jnp.take_along_axis(x.reshape(n, c, -1), flat.reshape(n, 1, -1), axis=2)
+    return jnp.where(inside[:, None], values.reshape(n, c, *out), 0)
 
 
 # PyTorch's cubic convolution (A = -0.75), in its kernels' order of operations, `r` rounding
@@ -516,14 +520,18 @@ def _grid_sample(x, grid, interpolation_mode, padding_mode, align_corners):
     above = [r(c - l) for c, l in zip(coords, low)]  # weight of the upper neighbour
     below = [r(1 - a) for a in above] if vectorized else \
         [r(r(l + 1) - c) for c, l in zip(coords, low)]
-    out = None
     # Corners in the kernels' order (last dim fastest), each weight a product over dims.
-    for corner in itertools.product((0, 1), repeat=nd):
+    corners = list(itertools.product((0, 1), repeat=nd))
+    # All corners' values in one gather (stacked on the last axis): one gather per corner
+    # transposes into as many scatters, which XLA compiles slowly.
+    values = _gather(xs, [jnp.stack([(l + c[d]).astype(jnp.int32) for c in corners], -1)
+                          for d, l in enumerate(low)], sizes)
+    out = None
+    for k, corner in enumerate(corners):
         ws = [(above if c else below)[i] for i, c in enumerate(corner)]
         # 2-D: nw = s * e (the row's weight first); 3-D: tnw = (x) * (y) * (z).
         w = functools.reduce(lambda p, q: r(p * q), ws if vectorized else ws[::-1])
-        index = [(l + c).astype(jnp.int32) for l, c in zip(low, corner)]
-        term = r(_gather(xs, index, sizes) * w[:, None])
+        term = r(values[..., k] * w[:, None])
         out = term if out is None else r(out + term)
     return out.astype(x.dtype)
 
@@ -541,7 +549,7 @@ def grid_sampler_3d(x, grid, interpolation_mode, padding_mode, align_corners):
 
 
 # --- embedding_bag -----------------------------------------------------------------------------
-@lowering("aten::_embedding_bag.default")
+@lowering("aten::_embedding_bag.default", "aten::_embedding_bag_forward_only.default")
 def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
                   per_sample_weights=None, include_last_offset=False, padding_idx=-1):
     n, dim = indices.shape[0], weight.shape[1]

@@ -5,7 +5,7 @@ from jax import lax
 
 from .._core import runtime
 from .pointwise import complex_logaddexp
-from .._core.registry import HALF_TYPES, check, lowering
+from .._core.registry import HALF_TYPES, check, deprecated, lowering
 
 
 def _dims(x, dim):
@@ -97,6 +97,13 @@ def _check_aminmax(x, dim=None, keepdim=False):
         raise IndexError(f"aminmax: Expected reduction dim {dim % x.dim()} to have non-zero size.")
 
 
+_AMINMAX_DEPRECATED = ("_aminmax is deprecated as of PyTorch 1.11 and will be removed in a future "
+                       "release. Use aminmax instead. This warning will only appear once per process.")
+
+
+# PyTorch warns once from each of the two overloads' kernels.
+@lowering("aten::_aminmax.default", validate=deprecated(_AMINMAX_DEPRECATED, _check_aminmax))
+@lowering("aten::_aminmax.dim", validate=deprecated(_AMINMAX_DEPRECATED, _check_aminmax))
 @lowering("aten::aminmax.default", validate=_check_aminmax)
 def aminmax(x, dim=None, keepdim=False):
     if dim is None:
