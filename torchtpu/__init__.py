@@ -38,6 +38,8 @@ def _install_kernels():
     storage.install()
     current.install()
     fused.install()
+    from ._execution import graphs
+    graphs.install()
     from ._compile import backend, cache
     backend.register()
     cache.enable()

@@ -167,7 +167,7 @@ class OpKernel:
         if modes.fused:
             if not self.low.eager:
                 return fused.record(self, compiled, vals, buffers, scalars, device)
-            fused.flush("data_dependent")
+            fused.flush("data_dependent", self.overload)
         arrays = [b.value() for b in buffers]
         if self.low.eager:
             return self._run_eager(compiled, vals, arrays, buffers, scalars, device)
