@@ -187,7 +187,7 @@ def flush(reason, op=None):
     _trace = None
     if tr.captured:
         raise CaptureBroken(f"the ops being captured had to run part-way ({reason}"
-                            f"{', ' + op if op else ''})", reason, op, debug.user_frame(2))
+                            f"{', ' + str(op) if op else ''})", reason, op, debug.user_frame(2))
     counters = metrics.counters
     counters["fused_ops"] += len(tr.signature)
     for kernel, _ in tr.where:

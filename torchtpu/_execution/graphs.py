@@ -107,11 +107,16 @@ class TPUGraph:
         tr, self._trace = self._trace, None
         if not fused.stop_capture(tr, self._mode):
             _release(tr)
+            # Only reached when the capture error raised at the op was caught and ignored.
             raise RuntimeError("torch.tpu graph capture: the captured ops were forced to run part-way")
         return tr
 
     def _abort(self):
-        _release(self._end())
+        global _capturing
+        _capturing = None
+        tr, self._trace = self._trace, None
+        fused.stop_capture(tr, self._mode)
+        _release(tr)
 
     def _build(self, tr):
         start = time.perf_counter()

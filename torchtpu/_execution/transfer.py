@@ -38,7 +38,7 @@ def value_of(t):
 
 def to_host(t):
     """A tpu tensor's value as a new contiguous CPU tensor (synchronises)."""
-    fused.flush("device_to_host", "a copy to the host (.cpu(), .tolist(), .numpy(), printing)")
+    fused.flush("device_to_host", "aten::copy_ (to the host: .cpu(), .tolist(), .numpy(), printing)")
     metrics.counters["device_to_host"] += 1
     metrics.counters["device_to_host_bytes"] += t.numel() * t.element_size()
     value = value_of(t)
