@@ -35,7 +35,7 @@ import torch
 
 from .._core import metrics, runtime
 from .._core.storage import Array, Pending
-from . import debug, fused
+from . import debug, fused, sync
 from .random import next_key_parts
 
 _capturing = None  # the TPUGraph being captured
@@ -218,6 +218,8 @@ class TPUGraph:
             b = ref()
             if b is not None:
                 b._array = results[r]
+        if results:
+            sync.track(results[0])  # what torch.tpu.synchronize() waits for
 
     def _commit(self, r, array):
         b = self._outputs[r][0]()
