@@ -239,13 +239,17 @@ def _capture_error_cases(x, case):
         return y[y > 0]  # LINE mask
     if case == "print":
         print(y)  # LINE print
+    if case == "fallback":
+        return torch.linalg.ldl_factor(y)  # LINE fallback
 
 
 @pytest.mark.parametrize("case,op", [("item", "aten::_local_scalar_dense"),
                                      ("nonzero", "aten.nonzero"),
                                      ("mask", "aten.nonzero"),
-                                     ("print", "aten.masked_select")])
-def test_capture_errors_name_the_op_and_the_line(case, op, eager_mode):
+                                     ("print", "aten.masked_select"),
+                                     ("fallback", "aten::linalg_ldl_factor_ex.out (CPU fallback)")])
+def test_capture_errors_name_the_op_and_the_line(case, op, eager_mode, monkeypatch):
+    monkeypatch.setattr(torch.tpu, "enable_cpu_fallback", True)
     x = torch.randn(4, 4).to("tpu")
     w = torch.randn(4, 4).to("tpu")
     w0 = w.cpu()
