@@ -75,7 +75,7 @@ class TPUGraph:
     compatibility (the executable is always kept)."""
 
     def __init__(self, keep_graph=False):
-        self._fn = None
+        self._captured = False
         self._trace = None
         self._pool = None
 
@@ -83,7 +83,7 @@ class TPUGraph:
         global _capturing
         if _capturing is not None:
             raise RuntimeError("torch.tpu graphs: another graph is being captured")
-        if self._fn is not None:
+        if self._captured:
             raise RuntimeError("This TPUGraph instance already owns a captured graph. "
                                "To capture a new graph, create a new instance or call reset().")
         self._pool = pool if pool is not None else graph_pool_handle()
@@ -102,21 +102,21 @@ class TPUGraph:
             _release(tr)
 
     def _end(self):
-        global _capturing
-        _capturing = None
-        tr, self._trace = self._trace, None
-        if not fused.stop_capture(tr, self._mode):
+        tr, intact = self._stop()
+        if not intact:
             _release(tr)
             # Only reached when the capture error raised at the op was caught and ignored.
             raise RuntimeError("torch.tpu graph capture: the captured ops were forced to run part-way")
         return tr
 
     def _abort(self):
+        _release(self._stop()[0])
+
+    def _stop(self):
         global _capturing
         _capturing = None
         tr, self._trace = self._trace, None
-        fused.stop_capture(tr, self._mode)
-        _release(tr)
+        return tr, fused.stop_capture(tr, self._mode)
 
     def _build(self, tr):
         start = time.perf_counter()
@@ -152,7 +152,7 @@ class TPUGraph:
         self._jit(mask).lower(donated, kept, (arrays, other)).compile()  # warms the jit's cache
         self._checks = [(i, j) for i, (c, _, _) in enumerate(self._signature)
                         for j in range(len(c.check_info))]
-        self._fn = True
+        self._captured = True
         metrics.counters["tpu_graph_captures"] += 1
         metrics.counters["tpu_graph_compiles"] += 1
         metrics.counters["compile_seconds"] += time.perf_counter() - start
@@ -171,7 +171,7 @@ class TPUGraph:
                 [a for k, a in enumerate(arrays) if k not in donate])
 
     def replay(self):
-        if self._fn is None:
+        if not self._captured:
             raise RuntimeError("torch.tpu graphs: replay() of a graph that was not captured")
         if fused._trace is not None:
             fused.flush("graph_replay")
@@ -238,7 +238,7 @@ class TPUGraph:
     def reset(self):
         if self._trace is not None:
             self._abort()
-        self._fn = None
+        self._captured = False
         self._inputs = self._outputs = self._jits = None
 
     def pool(self):
