@@ -1,6 +1,6 @@
 """Per-op overhead: a chain of small elementwise ops on tpu (strict eager, and the recording
-cost of fused eager) vs native torch CPU eager vs the same ops as cached jax.jit calls written
-directly in JAX.
+cost of fused eager, and a torch.tpu graph of the whole chain replayed) vs native torch CPU
+eager vs the same ops as cached jax.jit calls written directly in JAX, and as one jax.jit.
 
     python benchmarks/overhead.py [--ops 2000] [--size 64]
 """
@@ -76,13 +76,32 @@ def main():
         y.block_until_ready()
         return y
 
+    g = torch.tpu.TPUGraph()
+    x_static = x_tpu.clone()
+    with torch.tpu.graph(g):
+        y_static = chain_torch(x_static, n)
+
+    def run_graph():
+        g.replay()
+        torch.tpu.synchronize()
+        return y_static
+
+    whole = jax.jit(lambda x: chain_torch(x, n))  # the same Python, on JAX arrays
+
+    def run_jax_whole():
+        return whole(xj).block_until_ready()
+
     run_tpu(), run_jax(), chain_torch(x_cpu, n), run_fused_synced()  # warm-up: compile and cache
+    run_graph(), run_jax_whole()
     t_tpu = timed(run_tpu) / n * 1e6
     # Leaving the fused mode runs the recorded chain: time recording alone, then with the run.
     t_record = min(_recording_time(x_tpu, n) for _ in range(3)) / n * 1e6
     t_fused = timed(run_fused_synced) / n * 1e6
     t_cpu = timed(lambda: chain_torch(x_cpu, n)) / n * 1e6
     t_jax = timed(run_jax) / n * 1e6
+    t_graph = timed(run_graph, 20) / n * 1e6
+    t_whole = timed(run_jax_whole, 20) / n * 1e6
+    torch.testing.assert_close(run_graph().cpu(), chain_torch(x_cpu, n), rtol=1e-4, atol=1e-5)
     assert torch.allclose(run_tpu().cpu(), chain_torch(x_cpu, n), rtol=1e-4, atol=1e-5)
     print(f"chain of {n} elementwise ops on {a.size}x{a.size} float32")
     print(f"  tpu strict eager : {t_tpu:8.2f} us/op")
@@ -94,6 +113,8 @@ def main():
     print(f"  ratio tpu / jax.jit   : {t_tpu / t_jax:6.2f}x   (target <= 1.5x)")
     print(f"  ratio fused recording / torch CPU : {t_record / t_cpu:6.2f}x   (target <= 2x)")
     print(f"  ratio fused record+run / torch CPU: {t_fused / t_cpu:6.2f}x")
+    print(f"  graph replay      : {t_graph:8.3f} us/op   (the chain as one jax.jit: {t_whole:.3f} us/op,"
+          f" ratio {t_graph / t_whole:.2f}x)")
 
 
 if __name__ == "__main__":

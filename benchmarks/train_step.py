@@ -1,13 +1,16 @@
 """ms/step of a GPT-style training step (forward, backward, AdamW) on tpu in each eager mode
 vs native torch CPU eager vs the same step written directly in JAX under one jax.jit.
 
-    python benchmarks/train_step.py [--mode strict,fused,compile] [--layers 4 --d-model 256
+    python benchmarks/train_step.py [--mode strict,fused,compile,graph] [--layers 4 --d-model 256
                                      --heads 4 --seq 128 --batch 8 --vocab 1024]
+                                    [--small]  (also the small GPT: 2 layers, d 128, T 64)
 
 Each mode starts from empty executable caches, so its first step shows its own warm-up (the
 persistent compilation cache is off here unless TORCHTPU_CACHE_DIR is set).
 "compile" is torch.compile(step, backend="tpu") of the whole step (forward, backward, AdamW);
 with it, torch.compile (inductor) of the same step on the CPU is measured too.
+"graph" captures the step once into a torch.tpu graph (AdamW with capturable=True, after two
+eager warm-up steps) and times `g.replay()`.
 """
 import argparse
 import copy
@@ -100,9 +103,31 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="graph mode: time graph replay and the JAX step alternately this often")
     ap.add_argument("--mode", default="strict,fused,compile",
-                    help="comma list of strict, fused, debug, compile")
+                    help="comma list of strict, fused, debug, compile, graph")
+    ap.add_argument("--small", action="store_true",
+                    help="run the small GPT (2 layers, d_model 128, seq 64) first, in the same process")
     a = ap.parse_args()
+    if a.small:
+        run(argparse.Namespace(**{**vars(a), "layers": 2, "d_model": 128, "seq": 64}))
+    run(a)
+
+
+def graph_step(model, x, y):
+    """A torch.tpu graph of the training step: warm up eagerly, capture once, replay."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+    step = torch_step(model, opt, x, y)
+    step()
+    step()
+    g = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g):
+        step()
+    return g.replay
+
+
+def run(a):
     torch.manual_seed(0)
     model = GPT(a.vocab, a.d_model, a.heads, a.layers, a.seq)
     idx = torch.randint(0, a.vocab, (a.batch, a.seq))
@@ -115,8 +140,8 @@ def main():
 
     modes = {"strict": torch.tpu.EagerMode.DEFER_NEVER, "fused": torch.tpu.EagerMode.DEFER_AND_FUSE,
              "debug": torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING,
-             "compile": torch.tpu.EagerMode.DEFER_NEVER}
-    counted = ("compiles", "segment_compiles", "graph_compiles", "graph_captures")
+             "compile": torch.tpu.EagerMode.DEFER_NEVER, "graph": torch.tpu.EagerMode.DEFER_NEVER}
+    counted = ("compiles", "segment_compiles", "graph_compiles", "graph_captures", "tpu_graph_compiles")
     results = {}
     for name in a.mode.split(","):
         torchtpu.clear_caches()
@@ -126,6 +151,8 @@ def main():
             t0 = time.perf_counter()
             step = torch_step(tpu_model, torch.optim.AdamW(tpu_model.parameters(), lr=1e-3),
                               idx.to("tpu"), tgt.to("tpu"))
+            if name == "graph":
+                step = graph_step(tpu_model, idx.to("tpu"), tgt.to("tpu"))
             if name == "compile":
                 step = torch.compile(step, backend="tpu")
             step()
@@ -138,6 +165,8 @@ def main():
             after = torchtpu.metrics()
             new_compiles = sum(after.get(k, 0) - before.get(k, 0) for k in counted)
             results[name] = (ms, warmup, new_compiles)
+            if name == "graph":
+                replay = step
             print(f"  [{name}: {ms:.1f} ms/step, first step {warmup:.1f} s]", flush=True)
 
     t_inductor = None
@@ -168,7 +197,7 @@ def main():
 
     print(f"GPT {a.layers} layers, d_model {a.d_model}, {a.heads} heads, seq {a.seq}, batch {a.batch}, vocab {a.vocab}; AdamW")
     for name, (ms, _, new_compiles) in results.items():
-        label = "compiled" if name == "compile" else f"{name} eager"
+        label = {"compile": "compiled", "graph": "graph replay"}.get(name, f"{name} eager")
         print(f"  tpu {label:13s}: {ms:9.1f} ms/step  ({ms / t_cpu:.2f}x torch CPU)"
               f"  [{new_compiles} compilations in a steady step]")
     print(f"  torch CPU eager  : {t_cpu:9.1f} ms/step  (1.00x)")
@@ -179,6 +208,13 @@ def main():
         print(f"  fused speed-up over strict: {results['strict'][0] / results['fused'][0]:.2f}x")
     if "compile" in results:
         print(f"  tpu compiled / JAX one jit: {results['compile'][0] / t_jax:.2f}x (target <= 1.0x)")
+    if "graph" in results:
+        # Alternate the two, so that load on a shared machine hits both alike.
+        ratios = [time_steps(replay, a.steps, torch.tpu.synchronize)
+                  / time_steps(jstep, a.steps, lambda: state["loss"].block_until_ready())
+                  for _ in range(a.repeat)]
+        print(f"  tpu graph replay / JAX one jit: {min(ratios):.2f}-{max(ratios):.2f}x over "
+              f"{a.repeat} alternating runs (target <= 1.1x)")
     for name, (_, warmup, _) in results.items():
         print(f"  tpu {name} first step (warm-up incl. compiles): {warmup:.1f} s = "
               f"{warmup * 1e3 / t_cpu:.1f}x one torch CPU step")

@@ -117,6 +117,9 @@ def test_foreach_ops():
     torch._foreach_add_(xs, 1.0)
     torch._foreach_mul_(xs, [2.0, 3.0])
     torch._foreach_addcdiv_(xs, xs, [x.abs() + 1 for x in xs], 0.5)
+    for op in (torch._foreach_mul_, torch._foreach_div_):  # by a tensor (Adam's tensor lr)
+        op(ts, torch.tensor(0.25, device="tpu"))
+        op(xs, torch.tensor(0.25))
     for t, x in zip(ts, xs):
         torch.testing.assert_close(t.cpu(), x)
     norms = torch._foreach_norm(ts)

@@ -35,6 +35,8 @@ def _install_kernels():
     autocast.register(lib, fallback_lib)
     patches.install()
     fused.install()
+    from ._execution import graphs
+    graphs.install()
     from ._compile import cache
     cache.enable()
     from . import _distributed

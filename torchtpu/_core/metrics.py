@@ -26,6 +26,7 @@ class FlushReason(str, enum.Enum):
     OPTIMIZER_STEP = "optimizer_step"  # optimizer.step() finished
     MODE_CHANGE = "mode_change"        # leaving fused eager
     CAPTURE = "capture"                # torch.compile takes over the ops that follow
+    GRAPH_REPLAY = "graph_replay"      # a torch.tpu graph replays (its inputs must exist)
 
     def __str__(self):  # f"flush::{reason}" names the value on every Python version
         return self.value
@@ -58,6 +59,7 @@ _SECTIONS = [
                    "segment_evictions"]),
     ("torch.compile", ["graph_captures", "graph_recompiles", "graph_compiles", "graph_cache_hits",
                        "graph_eager_runs", "capture_seconds", "graph_evictions"]),
+    ("torch.tpu graphs", ["tpu_graph_captures", "tpu_graph_compiles", "tpu_graph_replays"]),
     ("Compilation", ["compile_seconds", "persistent_cache_hits", "persistent_cache_misses",
                      "persistent_cache_rejected"]),
     ("Transfers", ["host_to_device", "host_to_device_bytes", "device_to_host",
@@ -83,6 +85,9 @@ _EXPLAINED = {
     "graph_eager_runs": "compiled graphs that had to run op by op",
     "graph_evictions": "compiled-graph variants dropped by the cache bound (LRU)",
     "capture_seconds": "seconds spent capturing graphs",
+    "tpu_graph_captures": "steps captured with torch.tpu.graph",
+    "tpu_graph_compiles": "torch.tpu graph executables built (one per capture)",
+    "tpu_graph_replays": "torch.tpu graph replays (one executable call each)",
     "compile_seconds": "seconds in first runs of segments/graphs (trace + XLA compile)",
     "persistent_cache_hits": "executables loaded from the persistent cache",
     "persistent_cache_rejected": "cache entries refused (corrupt, foreign or another version)",

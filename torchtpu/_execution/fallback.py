@@ -19,7 +19,7 @@ def _fallback(op, *args, **kwargs):
         raise NotImplementedError(
             f"The operator '{name}' is not implemented for the tpu device. "
             "Set torch.tpu.enable_cpu_fallback = True to run it on the CPU instead.")
-    fused.flush(FlushReason.CPU_FALLBACK)
+    fused.flush(FlushReason.CPU_FALLBACK, f"{name} (CPU fallback)")
     if name not in _warned:
         _warned.add(name)
         warnings.warn(f"torchtpu: '{name}' has no tpu lowering and runs on the CPU "

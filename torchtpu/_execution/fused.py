@@ -41,7 +41,7 @@ _EAGER_ROUNDING = {"xla_allow_excess_precision": False}
 
 class _Trace:
     __slots__ = ("device", "signature", "where", "ext_arrays", "ext_ids", "scalars", "pendings",
-                 "captured", "in_backward", "resized")
+                 "captured", "in_backward", "resized", "ext_buffers")
 
     def __init__(self, device):
         self.device = device
@@ -54,6 +54,9 @@ class _Trace:
         self.captured = False  # taken over by torch.compile: never flushed
         self.in_backward = False  # recording the ops of a backward pass (the autograd engine's)
         self.resized = {}  # op index -> the out= tensors it resized, with their old layouts
+        # torch.tpu graphs: per external array, the storage it was read from (replay reads the
+        # storage's value then); inputs are told apart by storage, not by array.
+        self.ext_buffers = None
 
     def flush(self, reason):
         """Run the pending trace: a `Pending` value of this trace is being read."""
@@ -100,10 +103,13 @@ def _record(kernel, compiled, vals, buffers, scalars, device):
             wiring.append(a.slot)
             continue
         a = b.value()
-        k = tr.ext_ids.get(id(a))
+        ident = id(a) if tr.ext_buffers is None else id(b)
+        k = tr.ext_ids.get(ident)
         if k is None:
-            k = tr.ext_ids[id(a)] = len(tr.ext_arrays)
+            k = tr.ext_ids[ident] = len(tr.ext_arrays)
             tr.ext_arrays.append(a)
+            if tr.ext_buffers is not None:
+                tr.ext_buffers.append(b)
         wiring.append(-1 - k)
     tr.signature.append((compiled, tuple(wiring), len(scalars)))
     tr.where.append((kernel, debug.user_frame(3)))
@@ -148,54 +154,86 @@ def _leaving_fused(mode):
 
 class CaptureBroken(RuntimeError):
     """Something forced the ops being captured to run (a data-dependent op, a host read, a
-    CPU fallback, another device): they cannot form one function."""
+    CPU fallback, another device): they cannot form one function.  `reason` is the flush
+    reason, `op` the op that asked (when known), `where` the user's line."""
+
+    def __init__(self, message, reason=None, op=None, where=None):
+        super().__init__(message)
+        self.reason, self.op, self.where = reason, op, where
+
+
+def start_capture(device, by_storage=False):
+    """Start recording into a fresh trace that is never flushed; returns (trace, the mode to
+    restore).  `by_storage`: note the storage of every external input (torch.tpu graphs)."""
+    global _trace
+    flush(FlushReason.CAPTURE)
+    _lock.acquire()  # released by stop_capture: other threads' ops wait for the capture
+    previous = modes.own_mode()
+    set_thread_mode(modes.EagerMode.DEFER_AND_FUSE)
+    tr = _trace = _Trace(device)
+    tr.captured = True
+    if by_storage:
+        tr.ext_buffers = []
+    return tr, previous
+
+
+def stop_capture(tr, previous):
+    """End a capture; whether it stayed whole (nothing forced it to run part-way)."""
+    global _trace
+    try:
+        intact = _trace is tr
+        if intact:
+            _trace = None
+        set_thread_mode(previous)
+    finally:
+        _lock.release()
+    return intact
+
+
+def capturing():
+    return _trace is not None and _trace.captured
 
 
 def capture(fn, device):
     """Record the ops `fn()` runs into a fresh trace that the caller takes over (it is not
     run here); returns (trace, fn's result)."""
-    global _trace
-    with _lock:
-        flush(FlushReason.CAPTURE)
-        previous = modes.own_mode()
-        set_thread_mode(modes.EagerMode.DEFER_AND_FUSE)
-        tr = _trace = _Trace(device)
-        tr.captured = True
-        try:
-            result = fn()
-        finally:
-            intact = _trace is tr
-            _trace = None
-            set_thread_mode(previous)
+    tr, previous = start_capture(device)
+    try:
+        result = fn()
+    finally:
+        intact = stop_capture(tr, previous)
     if not intact:
         raise CaptureBroken("the captured ops were forced to run part-way")
     return tr, result
 
 
-def flush(reason):
-    """Run the pending trace (if any) now; `reason` is counted in the metrics.
+def flush(reason, op=None):
+    """Run the pending trace (if any) now; `reason` is counted in the metrics, `op` (the op
+    that needs the values, when known) named in capture errors.
 
     Interruption (Ctrl-C) never loses a value.  While the segment compiles, nothing has been
     consumed: the trace is put back, its tensors stay pending and the next read runs it again.
     Running the executable (which may consume donated inputs) and storing its results happen
     with SIGINT held back until they are done, so every tensor then has its new value."""
     global _trace
+    reason = FlushReason(reason)  # one of the listed reasons, never a free string
     with _lock:
         tr = _trace
         if tr is None:
             return
         _trace = None
         try:
-            _flush(tr, reason)
+            _flush(tr, reason, op)
         except BaseException:
             if tr.pendings and _trace is None:  # not run: it runs again when next needed
                 _trace = tr
             raise
 
 
-def _flush(tr, reason):
+def _flush(tr, reason, op):
     if tr.captured:
-        raise CaptureBroken(f"the ops being captured had to run part-way ({reason})")
+        raise CaptureBroken(f"the ops being captured had to run part-way ({reason}"
+                            f"{', ' + str(op) if op else ''})", reason, op, debug.user_frame(2))
     counters = metrics.counters
     counters["fused_ops"] += len(tr.signature)
     for kernel, _ in tr.where:
@@ -468,8 +506,8 @@ def _commit(tr, slots):
 
 
 def _on_optimizer_step(optimizer, args, kwargs):
-    if modes.get_eager_mode() is modes.EagerMode.DEFER_AND_FUSE:
-        flush(FlushReason.OPTIMIZER_STEP)
+    if modes.get_eager_mode() is modes.EagerMode.DEFER_AND_FUSE and not capturing():
+        flush(FlushReason.OPTIMIZER_STEP)  # a captured step continues after optimizer.step()
 
 
 def install():

@@ -187,7 +187,7 @@ class OpKernel:
         if fused_mode:
             if not self.low.eager:
                 return fused.record(self, compiled, vals, buffers, scalars, device)
-            fused.flush(FlushReason.DATA_DEPENDENT)
+            fused.flush(FlushReason.DATA_DEPENDENT, self.overload)
         arrays = [b.value() for b in buffers]
         if self.low.eager:
             return self._run_eager(compiled, vals, arrays, buffers, scalars, device)

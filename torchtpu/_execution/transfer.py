@@ -39,7 +39,7 @@ def value_of(t):
 
 def to_host(t):
     """A tpu tensor's value as a new contiguous CPU tensor (synchronises)."""
-    fused.flush(FlushReason.DEVICE_TO_HOST)
+    fused.flush(FlushReason.DEVICE_TO_HOST, "aten::copy_ (to the host: .cpu(), .tolist(), .numpy(), printing)")
     metrics.counters["device_to_host"] += 1
     metrics.counters["device_to_host_bytes"] += t.numel() * t.element_size()
     value = value_of(t)
@@ -100,7 +100,7 @@ def _check_no_partial_overlap(dst, src):
 
 
 def _local_scalar_dense(self):
-    fused.flush(FlushReason.ITEM)
+    fused.flush(FlushReason.ITEM, "aten::_local_scalar_dense (.item())")
     metrics.counters["device_to_host"] += 1
     metrics.counters["device_to_host_bytes"] += self.element_size()
     return np.asarray(jax.device_get(value_of(self))).reshape(()).item()

@@ -230,6 +230,11 @@ enable_cpu_fallback = False
 
 from .streams import Event, Stream, current_stream, default_stream, set_stream, stream  # noqa: E402,F401
 
+# --- graphs -------------------------------------------------------------------------------
+
+from .._execution.graphs import (TPUGraph, graph, graph_pool_handle,  # noqa: E402,F401
+                                 is_current_stream_capturing, make_graphed_callables)
+
 # --- execution modes -----------------------------------------------------------------------
 
 EagerMode = _modes.EagerMode

@@ -29,9 +29,14 @@ for _name, _fn in {"add": jnp.add, "sub": jnp.subtract, "mul": jnp.multiply,
     _binary(_name, _fn)
 
 
-@lowering("aten::_foreach_mul.Tensor", "aten::_foreach_div.Tensor")
+@lowering("aten::_foreach_mul.Tensor")
 def foreach_mul_tensor(xs, t):
     return [(x * t).astype(x.dtype) for x in xs]
+
+
+@lowering("aten::_foreach_div.Tensor")
+def foreach_div_tensor(xs, t):
+    return [(x / t).astype(x.dtype) for x in xs]
 
 
 @lowering("aten::_foreach_add.Tensor")

@@ -1,0 +1,446 @@
+"""torch.tpu graphs: a whole step captured once into one executable and replayed, with the API
+of torch.cuda graphs (TPUGraph, `with torch.tpu.graph(g):`, `g.replay()`,
+`make_graphed_callables`).
+
+Capture records the step into a fused eager trace that is never flushed while capturing: a
+backward pass, `optimizer.step()` and the trace's length do not cut it, and anything that
+needs a value before the end (a host read, a data-dependent op, a CPU fallback) is a capture
+error naming the op and the user's line.  As with CUDA, capture runs nothing: storages the
+step writes keep their values, and tensors it creates read as zeros until the first replay.
+
+The graph reads each external input from the storage it came from, so a replay sees what the
+static inputs, parameters, gradients and optimizer state hold *now* (`copy_` new data in), and
+its results go to the storages the step wrote and to the tensors it created that are still
+alive (outputs, new gradients): one executable call, no per-op Python, no recompiles.  The
+storages it overwrites are donated.  Random ops draw fresh numbers on each replay (one new
+generator offset per op, in eager's order).  Python numbers are baked in: an optimizer's
+non-tensor hyperparameters are compared at each replay, and a changed one raises (use a tpu
+tensor `lr` with `capturable=True` to schedule it).
+
+A step's index checks run in the executable too.  Its new values for the storages it
+overwrites are selected against them, so a failed check leaves every tensor as it was although
+those storages were donated, and the error names the op and the line that recorded it.
+
+Memory: a storage's memory belongs to its tensors (PJRT allocates it); graphs keep no private
+pool, so `pool=`/`graph_pool_handle()` are accepted for compatibility and change nothing.
+"""
+import gc
+import sys
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from .._core import metrics, runtime
+from .._core.metrics import FlushReason
+from .._core.storage import Array, Pending
+from . import debug, fused, sync
+from .random import next_key_parts
+
+_capturing = None  # the TPUGraph being captured
+
+
+class _Pool:
+    """What `graph_pool_handle()` and `TPUGraph.pool()` return (see the module docstring)."""
+
+
+def graph_pool_handle():
+    return _Pool()
+
+
+def is_current_stream_capturing():
+    return _capturing is not None
+
+
+_REASONS = {
+    "item": "reads a value on the host",
+    "device_to_host": "copies a value to the host",
+    "data_dependent": "has an output whose shape depends on the data",
+    "cpu_fallback": "has no tpu lowering and would run on the CPU",
+    "read": "needs a value computed inside the graph",
+}
+
+
+def _capture_error(e):
+    what = _REASONS.get(e.reason, f"forces the recorded ops to run ({e.reason})")
+    return RuntimeError(
+        f"torch.tpu graph capture: {e.op or 'an op'} {what}, which a captured graph cannot do "
+        f"(it runs as one executable at replay); called from {debug.format_where(e.where)}. "
+        "Move it out of the captured region.")
+
+
+class TPUGraph:
+    """One captured step (see the module docstring); `keep_graph` is accepted for
+    compatibility (the executable is always kept)."""
+
+    def __init__(self, keep_graph=False):
+        self._captured = False
+        self._trace = None
+        self._pool = None
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        global _capturing
+        if _capturing is not None:
+            raise RuntimeError("torch.tpu graphs: another graph is being captured")
+        if self._captured:
+            raise RuntimeError("This TPUGraph instance already owns a captured graph. "
+                               "To capture a new graph, create a new instance or call reset().")
+        self._pool = pool if pool is not None else graph_pool_handle()
+        self._hyper = []
+        self._opt_state = {}
+        self._trace, self._mode = fused.start_capture(runtime.current_device(), by_storage=True)
+        _capturing = self
+
+    def capture_end(self):
+        tr = self._end()
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+                self._build(tr)
+        finally:
+            _release(tr)
+
+    def _end(self):
+        tr, intact = self._stop()
+        if not intact:
+            _release(tr)
+            # Only reached when the capture error raised at the op was caught and ignored.
+            raise RuntimeError("torch.tpu graph capture: the captured ops were forced to run part-way")
+        return tr
+
+    def _abort(self):
+        _release(self._stop()[0])
+
+    def _stop(self):
+        global _capturing
+        _capturing = None
+        tr, self._trace = self._trace, None
+        return tr, fused.stop_capture(tr, self._mode)
+
+    def _build(self, tr):
+        start = time.perf_counter()
+        self._device = tr.device
+        self._inputs = list(tr.ext_buffers)
+        source = {id(b): k for k, b in enumerate(self._inputs)}
+        slots, self._outputs, guarded = [], [], []
+        for p in tr.pendings:
+            owner = p.owner()
+            if owner is not None and owner._array is p:
+                k = source.get(id(owner))
+                if k is not None:  # a storage the step overwrites
+                    guarded.append((len(slots), k))
+                self._outputs.append((p.owner, len(slots)))
+                slots.append(p.slot)
+        self._guarded = [r for r, _ in guarded]
+        self._written = [k for _, k in guarded]
+        self._signature, self._where = tuple(tr.signature), list(tr.where)
+        types = tuple(map(type, tr.scalars))
+        arrays, other = fused._pack_scalars(tr.scalars, types)
+        self._packed_arrays, self._other = arrays, other
+        # The positions in `other` of each random op's (seed, offset) pair.
+        in_other = [i for i, t in enumerate(types) if t not in fused._PACKED]
+        self._random, pos = [], 0
+        for (_, _, n), (kernel, _) in zip(tr.signature, tr.where):
+            if kernel.low.random:
+                self._random.append(in_other.index(pos))
+            pos += n
+        self._structure = (self._signature, slots, types, guarded)
+        self._jits = {}
+        mask = (True,) * len(self._written)
+        donated, kept = self._split(tr.ext_arrays, mask)
+        self._jit(mask).lower(donated, kept, (arrays, other)).compile()  # warms the jit's cache
+        self._checks = [(i, j) for i, (c, _, _) in enumerate(self._signature)
+                        for j in range(len(c.check_info))]
+        self._captured = True
+        metrics.counters["tpu_graph_captures"] += 1
+        metrics.counters["tpu_graph_compiles"] += 1
+        metrics.counters["compile_seconds"] += time.perf_counter() - start
+
+    def _jit(self, mask):
+        fn = self._jits.get(mask)
+        if fn is None:
+            fn = self._jits[mask] = jax.jit(
+                _step_function(*self._structure, len(self._inputs), mask),
+                donate_argnums=(0,) if any(mask) else (), compiler_options=fused._EAGER_ROUNDING)
+        return fn
+
+    def _split(self, arrays, mask):
+        donate = set(k for k, d in zip(self._written, mask) if d)
+        return ([a for k, a in enumerate(arrays) if k in donate],
+                [a for k, a in enumerate(arrays) if k not in donate])
+
+    def replay(self):
+        if not self._captured:
+            raise RuntimeError("torch.tpu graphs: replay() of a graph that was not captured")
+        if fused._trace is not None:
+            fused.flush(FlushReason.GRAPH_REPLAY)
+        for group, key, value, optimizer in self._hyper:
+            if _hyper_value(group[key]) != value:
+                raise RuntimeError(
+                    f"torch.tpu graph replay: {type(optimizer).__name__}'s param_groups[...]['{key}'] "
+                    f"is {group[key]!r} but was {value!r} when the graph was captured, and that "
+                    "value is baked into the graph. To change it between replays, pass it as a "
+                    "tpu tensor (e.g. lr=torch.tensor(0.01, device='tpu')) with capturable=True, "
+                    "or capture again.")
+        inputs = self._inputs
+        arrays = [b._array for b in inputs]
+        for k, b in enumerate(inputs):
+            if type(arrays[k]) is not Array:
+                arrays[k] = b.value()
+        # Donate what nothing but its storage holds (references: the storage, the list, the
+        # argument of getrefcount).
+        mask = tuple(sys.getrefcount(arrays[k]) <= 3 for k in self._written)
+        compiling = mask not in self._jits
+        start = time.perf_counter()
+        donated, kept = self._split(arrays, mask)
+        del arrays
+        other = self._other
+        if self._random:
+            other = list(other)
+            for i in self._random:
+                other[i], other[i + 1] = next_key_parts(self._device)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            results, ok, first = self._jit(mask)(donated, kept, (self._packed_arrays, other))
+        del donated, kept
+        counters = metrics.counters
+        if compiling:
+            counters["tpu_graph_compiles"] += 1
+            counters["compile_seconds"] += time.perf_counter() - start
+        counters["tpu_graph_replays"] += 1
+        counters["donated_buffers"] += sum(mask)
+        if self._checks and not bool(ok):
+            for r in self._guarded:  # their old values, selected in the executable
+                self._commit(r, results[r])
+            raise self._check_error(int(first))
+        for ref, r in self._outputs:
+            b = ref()
+            if b is not None:
+                b._array = results[r]
+        if results:
+            sync.track(results[0])  # what torch.tpu.synchronize() waits for
+
+    def _commit(self, r, array):
+        b = self._outputs[r][0]()
+        if b is not None:
+            b._array = array
+
+    def _check_error(self, flat):
+        i, j = self._checks[flat]
+        compiled = self._signature[i][0]
+        kernel, where = self._where[i]
+        exc_type, message = compiled.check_info[j]
+        return debug.attributed(exc_type(message), kernel.overload, debug.describe_key(compiled.key),
+                                where, note="\n  (in a torch.tpu graph: raised at its replay, "
+                                            "which changed no tensor)")
+
+    def reset(self):
+        if self._trace is not None:
+            self._abort()
+        self._captured = False
+        self._inputs = self._outputs = self._jits = None
+
+    def pool(self):
+        return self._pool
+
+    def instantiate(self):
+        """Nothing to do: capture_end() already built the executable."""
+
+    def enable_debug_mode(self):
+        pass
+
+    def debug_dump(self, debug_path):
+        """Write the StableHLO of the captured step to `debug_path`."""
+        arrays = [b.value() for b in self._inputs]
+        mask = (False,) * len(self._written)
+        donated, kept = self._split(arrays, mask)
+        text = self._jit(mask).lower(donated, kept, (self._packed_arrays, self._other)).as_text()
+        with open(debug_path, "w") as f:
+            f.write(text)
+
+
+def _release(tr):
+    """Capturing commits nothing: storages the step wrote get back the values they had, and
+    tensors it created read as zeros (like fresh memory) until a replay writes them."""
+    for k, b in enumerate(tr.ext_buffers):
+        a = b._array
+        if type(a) is Pending and a.trace is tr:
+            b._array = tr.ext_arrays[k]
+    for p in tr.pendings:
+        owner = p.owner()
+        if owner is not None and owner._array is p:
+            owner._array = None
+    tr.ext_arrays.clear()
+    tr.ext_ids.clear()
+    tr.pendings.clear()
+    tr.ext_buffers = []
+
+
+def _step_function(signature, slots, scalar_types, guarded, n_inputs, mask):
+    """The captured step as a JAX function: (donated, kept, packed scalars) -> (results, all
+    checks passed, index of the first failed check)."""
+    donated_inputs = {k for (_, k), d in zip(guarded, mask) if d}
+    segment = fused._segment_function(
+        signature, slots, scalar_types, tuple(k in donated_inputs for k in range(n_inputs)))
+
+    def step(donated, kept, packed):
+        results, checks = segment(donated, kept, packed)
+        flat = [c for op in checks for c in op]
+        if not flat:
+            return results, True, 0
+        passed = jnp.stack([jnp.asarray(c, bool).reshape(()) for c in flat])
+        ok = passed.all()
+        donated_it, kept_it = iter(donated), iter(kept)
+        ext = [next(donated_it) if k in donated_inputs else next(kept_it) for k in range(n_inputs)]
+        results = list(results)
+        for r, k in guarded:
+            results[r] = jnp.where(ok, results[r], ext[k])
+        return results, ok, jnp.argmin(passed)
+
+    return step
+
+
+def _hyper_value(v):
+    if isinstance(v, torch.Tensor):
+        return v.item() if v.device.type == "cpu" and v.numel() == 1 else _Tensor
+    return v
+
+
+class _Tensor:
+    """Stands for a tpu tensor hyperparameter: its value is read at replay, nothing to check."""
+
+
+def _before_optimizer_step(optimizer, args, kwargs):
+    g = _capturing
+    if g is None:
+        return
+    for group in optimizer.param_groups:
+        if group.get("capturable") is False:
+            raise RuntimeError(
+                f"Attempting TPU graph capture of step() for an instance of "
+                f"{type(optimizer).__name__} but param_groups' capturable is False.")
+        for key, value in group.items():
+            value = _hyper_value(value)
+            if key != "params" and value is not _Tensor:
+                g._hyper.append((group, key, value, optimizer))
+    g._opt_state[id(optimizer)] = len(optimizer.state)
+
+
+def _after_optimizer_step(optimizer, args, kwargs):
+    g = _capturing
+    if g is not None and len(optimizer.state) != g._opt_state.get(id(optimizer)):
+        raise RuntimeError(
+            f"torch.tpu graph capture: {type(optimizer).__name__}.step() created its state "
+            "during capture, so the graph would replay its first step. Run a few warm-up "
+            "steps before capturing (as CUDA graphs require).")
+
+
+class graph:
+    """`with torch.tpu.graph(g):` captures the enclosed step into `g` (torch.cuda.graph's
+    signature; `pool`, `stream` and `capture_error_mode` are accepted and change nothing)."""
+
+    default_capture_stream = None
+
+    def __init__(self, tpu_graph, pool=None, stream=None, capture_error_mode="global"):
+        self.tpu_graph = tpu_graph
+        self.pool = pool
+        self.capture_error_mode = capture_error_mode
+
+    def __enter__(self):
+        torch.tpu.synchronize()
+        gc.collect()  # as torch.cuda.graph: unreachable tensors do not become graph outputs
+        self.tpu_graph.capture_begin(self.pool, self.capture_error_mode)
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.tpu_graph.capture_end()
+            return False
+        self.tpu_graph._abort()
+        if isinstance(exc, fused.CaptureBroken):
+            raise _capture_error(exc) from exc
+        return False
+
+
+def install():
+    from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                       register_optimizer_step_pre_hook)
+    register_optimizer_step_pre_hook(_before_optimizer_step)
+    register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+def make_graphed_callables(callables, sample_args, num_warmup_iters=3, allow_unused_input=False,
+                           pool=None):
+    """torch.cuda.make_graphed_callables for tpu: each callable (a function or a module) gets
+    its forward and its backward captured as two graphs; calling the result copies the inputs
+    into the static ones and replays them.  Outputs alias the graph's static outputs, as with
+    CUDA (the next call overwrites them)."""
+    single = not isinstance(callables, tuple)
+    if single:
+        callables, sample_args = (callables,), (sample_args,)
+    result = tuple(_graphed(c, tuple(args), num_warmup_iters, allow_unused_input)
+                   for c, args in zip(callables, sample_args))
+    return result[0] if single else result
+
+
+def _graphed(fn, sample_args, warmup, allow_unused):
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+    module = fn if isinstance(fn, torch.nn.Module) else None
+    params = tuple(module.parameters()) if module is not None else ()
+    static_in = sample_args + params
+    needs_grad = [t for t in static_in if t.requires_grad]
+
+    def run():
+        outs, spec = tree_flatten(fn(*sample_args))
+        return outs, spec
+
+    def grads(outs, grad_outs):
+        pairs = [(o, g) for o, g in zip(outs, grad_outs) if o.requires_grad]
+        return torch.autograd.grad([o for o, _ in pairs], needs_grad, [g for _, g in pairs],
+                                   allow_unused=allow_unused)
+
+    for _ in range(warmup):  # eager steps, as CUDA's docs require before capture
+        outs, _ = run()
+        if any(o.requires_grad for o in outs):
+            grads(outs, [torch.ones_like(o) for o in outs])
+        del outs
+    fwd, bwd = TPUGraph(), TPUGraph()
+    with graph(fwd):
+        static_out, spec = run()
+    static_grad_out = [torch.empty_like(o) if o.requires_grad else None for o in static_out]
+    with graph(bwd):
+        computed = grads(static_out, static_grad_out) if needs_grad else ()
+    it = iter(computed)
+    static_grad_in = [next(it) if t.requires_grad else None for t in static_in]
+
+    class Graphed(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            for static, x in zip(sample_args, inputs):
+                if static is not x:
+                    static.copy_(x)
+            fwd.replay()
+            return tuple(o.detach() for o in static_out)
+
+        @staticmethod
+        def backward(ctx, *grad_out):
+            for static, g in zip(static_grad_out, grad_out):
+                if static is not None and g is not None and static is not g:
+                    static.copy_(g)
+            bwd.replay()
+            return tuple(g.detach() if g is not None else None for g in static_grad_in)
+
+    def functional(*args):
+        return tree_unflatten(list(Graphed.apply(*args, *params)), spec)
+
+    if module is None:
+        return functional
+    training, eager_forward = module.training, module.forward
+
+    def forward(*args):
+        # Like CUDA's: the graphs hold the mode they were captured in.
+        return functional(*args) if module.training == training else eager_forward(*args)
+
+    module.forward = forward
+    return module
