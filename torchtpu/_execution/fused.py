@@ -167,7 +167,6 @@ def start_capture(device, by_storage=False):
     restore).  `by_storage`: note the storage of every external input (torch.tpu graphs)."""
     global _trace
     flush(FlushReason.CAPTURE)
-    _lock.acquire()  # released by stop_capture: other threads' ops wait for the capture
     previous = modes.own_mode()
     set_thread_mode(modes.EagerMode.DEFER_AND_FUSE)
     tr = _trace = _Trace(device)
@@ -180,13 +179,10 @@ def start_capture(device, by_storage=False):
 def stop_capture(tr, previous):
     """End a capture; whether it stayed whole (nothing forced it to run part-way)."""
     global _trace
-    try:
-        intact = _trace is tr
-        if intact:
-            _trace = None
-        set_thread_mode(previous)
-    finally:
-        _lock.release()
+    intact = _trace is tr
+    if intact:
+        _trace = None
+    set_thread_mode(previous)
     return intact
 
 
