@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from .._core.registry import Promote, lowering
+from .._core.registry import Promote, check, lowering
 from .meta import _c10_name
 
 
