@@ -55,6 +55,34 @@ def test_repeated_calls_replay_one_executable():
     _close(out, (x.cpu() * 2).relu() + 1)
 
 
+def test_graph_donates_exactly_the_inputs_it_overwrites():
+    # The segment runner's donation rule, as compiled graphs use it: the old array of `w`
+    # (overwritten, referenced by nothing else) is consumed, the read-only `b` never is.
+    g = torch.compile(lambda w, b: w.add_(b * 2), backend="tpu")
+    w, b = torch.zeros(8, device="tpu"), torch.ones(8, device="tpu")
+    for _ in range(2):  # (the first call's array may still be referenced: a second executable)
+        g(w, b)
+    before = counts("donated_buffers", "graph_cache_hits")
+    for _ in range(2):
+        g(w, b)
+    assert counts("donated_buffers", "graph_cache_hits") == (before[0] + 2, before[1] + 2)
+    _close(w, torch.full((8,), 8.0))
+    _close(b, torch.ones(8))
+
+
+def test_failed_index_check_in_graph_names_the_op_and_changes_nothing():
+    def step(w, idx):
+        w.mul_(2)
+        return w[idx].sum()
+
+    g = torch.compile(step, backend="tpu")
+    w = torch.arange(4.0, device="tpu")
+    assert g(w, torch.tensor([1], device="tpu")).item() == 2.0
+    with pytest.raises(IndexError, match=r"(?s)out of (range|bounds).*aten.index.Tensor.*in compiled graph"):
+        g(w, torch.tensor([7], device="tpu"))
+    _close(w, torch.tensor([0.0, 2.0, 4.0, 6.0]))  # the failed call's mul_ was not committed
+
+
 def test_default_backend_routes_tpu_inputs_here():
     g = torch.compile(lambda x: torch.sin(x) * 3)  # no backend: inductor cannot do tpu
     x = torch.randn(5, device="tpu")

@@ -7,17 +7,14 @@ every output's shape and strides on the way.  The recording becomes a jitted fun
 inputs' arrays; later calls only gather those arrays, call it, and wrap the results, with no
 per-node Python work.  Inputs the graph mutates get their new values in place.
 """
-import sys
 import time
 import warnings
 
-import jax
 import torch
 
 from .._core import storage
-from .._execution import bounded, fused, sync
+from .._execution import bounded, debug, fused, op_kernel, sync
 from .._core import metrics
-from .._execution.debug import describe_key
 from .._execution.random import next_key_parts
 from .._core import registry
 
@@ -57,7 +54,8 @@ def _buffer(t):
 
 
 def layout_key(args):
-    """Everything a capture depends on: each tensor's layout and which inputs share storage."""
+    """Everything a capture depends on: each tensor's layout as an op's executable sees it
+    (which inputs share storage included), its storage's size and device."""
     key = []
     buffers = []
     for a in args:
@@ -66,11 +64,7 @@ def layout_key(args):
             if buf is None:
                 key.append(("host", a.dtype, tuple(a.shape)))
                 continue
-            j = next((i for i, b in enumerate(buffers) if b is buf), len(buffers))
-            if j == len(buffers):
-                buffers.append(buf)
-            key.append((a.dtype, tuple(a.shape), a.stride(), a.storage_offset(), j, buf.nbytes,
-                        buf.index))
+            key.append((*op_kernel.layout_key(a, buf, buffers), buf.nbytes, buf.index))
         else:
             key.append((type(a), a))
     return tuple(key), buffers
@@ -122,9 +116,10 @@ class Captured:
         self.returns_sequence = isinstance(outs, (list, tuple))
         for o in flat:
             self.outputs.append(self._output_spec(o, args, tr, result_index))
+        # Inputs the graph overwrites: their storage's reference goes when the results are stored.
         overwritten = {j for j, _ in self.mutations}
-        self.donatable = tuple(isinstance(src, int) and src in overwritten for src in self.sources)
-        self.segment = fused.Segment(self.signature, result_slots, self.scalar_types)
+        self.held = tuple(int(isinstance(src, int) and src in overwritten) for src in self.sources)
+        self.segment = fused.Segment(self.signature, result_slots, self.scalar_types, "graph")
 
     @staticmethod
     def _output_spec(o, args, tr, result_index):
@@ -148,48 +143,30 @@ class Captured:
         return ("constant", o)  # a tensor the graph holds
 
     def _arguments(self, buffers):
-        inputs = [b.value() for b in buffers]
-        ext = [inputs[s] if isinstance(s, int) else s for s in self.sources]
+        ext = [buffers[s].value() if isinstance(s, int) else s for s in self.sources]
         scalars = self.scalars
         if self.random_positions:
             scalars = list(scalars)
             for pos in self.random_positions:
                 scalars[pos], scalars[pos + 1] = next_key_parts(self.device)
-        return inputs, ext, fused._pack_scalars(scalars, self.scalar_types)
+        return ext, fused.pack_scalars(scalars, self.scalar_types)
 
     def stablehlo(self, buffers):
-        _, ext, packed = self._arguments(buffers)
-        return self.segment.lower(ext, packed).as_text()
-
-    def _donation(self, inputs):
-        """Which arguments the executable may consume: arrays of inputs the graph overwrites
-        (parameters, optimizer state) that nothing but their storage refers to, once the
-        graph is known to have no index checks (a failed check must leave inputs intact)."""
-        if self.segment.has_checks is not False or not any(self.donatable):
-            return (False,) * len(self.sources)
-        # References: the storage, the `inputs` and `ext` lists, getrefcount's argument.
-        return tuple(d and sys.getrefcount(inputs[s]) <= 4 for d, s in zip(self.donatable, self.sources))
+        return self.segment.lower(*self._arguments(buffers)).as_text()
 
     def __call__(self, args, buffers):
         with metrics.span(f"torchtpu::graph {self.name}"):
             return self._run(args, buffers)
 
     def _run(self, args, buffers):
-        inputs, ext, packed = self._arguments(buffers)
-        start = time.perf_counter()
-        self.segment.learn_checks(ext, packed)
-        mask = self._donation(inputs)
-        del inputs
-        compiling = not self.segment.has_executable(mask)
-        results, checks = self.segment.run(ext, mask, packed)
-        if compiling:
-            metrics.counters["graph_compiles"] += 1
-            metrics.counters["compile_seconds"] += time.perf_counter() - start
-        else:
-            metrics.counters["graph_cache_hits"] += 1
-        failed = fused._first_failed_check(checks)
+        ext, packed = self._arguments(buffers)
+        # Donated: the arrays of the inputs it overwrites (parameters, optimizer state) that
+        # nothing but their storage refers to.
+        call = self.segment.prepare(ext, packed, held=self.held)
+        results, failed = self.segment.run(ext, call, packed)
+        del ext
         if failed is not None:
-            self._raise_failed_check(failed, checks[failed])
+            raise self._check_error(*failed)
         for j, r in self.mutations:
             buffers[j]._array = results[r]
         if results:
@@ -222,13 +199,11 @@ class Captured:
                 outs.append(t)
         return outs if self.returns_sequence else outs[0]
 
-    def _raise_failed_check(self, i, op_checks):
+    def _check_error(self, i, error):
         compiled = self.signature[i][0]
-        kernel, _ = self.where[i]
-        for ok, (exc_type, message) in zip(jax.device_get(op_checks), compiled.check_info):
-            if not bool(ok):
-                raise exc_type(f"{message}\n  [torchtpu] raised by {kernel.overload}"
-                               f"({describe_key(compiled.key)}) in compiled graph {self.name}")
+        kernel, where = self.where[i]
+        return debug.attributed(error, kernel.overload, debug.describe_key(compiled.key), where,
+                                note=f"\n  (in compiled graph {self.name})")
 
 
 class CompiledGraph:

@@ -36,7 +36,7 @@ max_ops = int(os.environ.get("TORCHTPU_FUSE_MAX_OPS", "2048"))
 # Eager rounds every op's result to its dtype; XLA by default may keep a fused chain of
 # half-precision ops in float32, so fused eager would differ from strict eager (exp(3 * x) in
 # bfloat16 by up to 4%).  Fused eager promises eager's values, so the rounding stays.
-_EAGER_ROUNDING = {"xla_allow_excess_precision": False}
+EAGER_ROUNDING = {"xla_allow_excess_precision": False}
 
 
 class _Trace:
@@ -245,33 +245,17 @@ def _flush(tr, reason, op):
     key = (tuple(tr.signature), tuple(outputs), scalar_types)
     segment = _segments.lookup(key)
     if segment is None:
-        segment = Segment(tr.signature, outputs, scalar_types)
+        segment = Segment(tr.signature, outputs, scalar_types, "segment")
         _segments.insert(key, segment)
-    packed = _pack_scalars(tr.scalars, scalar_types)
-    start = time.perf_counter()
-    try:
-        segment.learn_checks(tr.ext_arrays, packed)
-    except Exception:
-        pass  # running it fails the same way, and is replayed op by op
-    donate = segment.donatable(tr.ext_arrays)
-    compiling = not segment.has_executable(donate)
-    try:
-        segment.compile(tr.ext_arrays, donate, packed)
-    except Exception:
-        pass  # running it fails the same way, and is replayed op by op
+    packed = pack_scalars(tr.scalars, scalar_types)
+    call = segment.prepare(tr.ext_arrays, packed)
     try:
         with _interrupts_held():
             try:
                 with metrics.span(f"torchtpu::flush ({reason})"):
-                    results, checks = segment.run(tr.ext_arrays, donate, packed)
-                failed = _first_failed_check(checks)
+                    results, failed = segment.run(tr.ext_arrays, call, packed)
             except Exception:
                 failed = -1
-            if compiling:
-                counters["segment_compiles"] += 1
-                counters["compile_seconds"] += time.perf_counter() - start
-            else:
-                counters["segment_cache_hits"] += 1
             if failed is not None:
                 _replay_and_raise(tr, reason)
                 return
@@ -315,21 +299,21 @@ def _interrupts_held():
 # Python numbers are passed to the segment packed into one array per type (one transfer
 # instead of one per number) and unpacked as weakly typed values, which is what a Python
 # number passed to a jitted function becomes: `x * 0.5` keeps x's dtype.
-_PACKED = {float: np.float64, int: np.int64, bool: np.bool_, complex: np.complex128}
+PACKED = {float: np.float64, int: np.int64, bool: np.bool_, complex: np.complex128}
 
 
-def _pack_scalars(scalars, types):
-    groups = {t: [] for t in _PACKED}
+def pack_scalars(scalars, types):
+    groups = {t: [] for t in PACKED}
     other = []
     for v, t in zip(scalars, types):
         (groups[t] if t in groups else other).append(v)
-    return [np.array(groups[t], dtype) for t, dtype in _PACKED.items()], other
+    return [np.array(groups[t], dtype) for t, dtype in PACKED.items()], other
 
 
 def _unpack_scalars(packed, types):
     arrays, other = packed
-    position = dict.fromkeys(_PACKED, 0)
-    columns = dict(zip(_PACKED, arrays))
+    position = dict.fromkeys(PACKED, 0)
+    columns = dict(zip(PACKED, arrays))
     values = []
     other_it = iter(other)
     for t in types:
@@ -348,61 +332,89 @@ def _as_weak(v):
 
 
 class Segment:
-    """One recorded op sequence (a fused segment or a compiled graph): its executables, one
-    per pattern of donated inputs."""
+    """One recorded op sequence (a fused segment or a compiled graph) and the rules for running
+    it, the same for both: which inputs it may consume, one executable per pattern of donated
+    inputs, compile/cache-hit accounting (`{kind}_compiles`, `{kind}_cache_hits`) and finding
+    the op whose index check failed.  `prepare` then `run`."""
 
-    __slots__ = ("structure", "executables", "has_checks")
+    __slots__ = ("structure", "executables", "has_checks", "kind")
 
-    def __init__(self, signature, outputs, scalar_types):
+    def __init__(self, signature, outputs, scalar_types, kind):
         self.structure = (signature, outputs, scalar_types)
         self.executables = {}
         self.has_checks = None  # known once traced
+        self.kind = kind
 
     def learn_checks(self, ext_arrays, packed_scalars):
         """Trace the segment abstractly the first time it is seen: whether its ops check
         indices is known only from a trace, and must be known before the first executable is
         built, or that one could not donate and a second one would be compiled at once."""
         if self.has_checks is None:
-            jax.eval_shape(_segment_function(*self.structure, (False,) * len(ext_arrays)),
+            jax.eval_shape(segment_function(*self.structure, (False,) * len(ext_arrays)),
                            [], ext_arrays, packed_scalars)
             self.has_checks = any(c.check_info for c, _, _ in self.structure[0])
 
-    def donatable(self, ext_arrays):
-        """Per input array: may the segment consume it?  Only arrays nothing else refers to
-        (their storage was overwritten or freed within the trace), and only in segments
-        without index checks, whose failure must be replayed from intact inputs."""
+    def donation(self, ext_arrays, held=None):
+        """Per input array: may the segment consume it?  Only in segments without index
+        checks, whose failure must be replayed from intact inputs, and only arrays nothing
+        else refers to (see `unshared`)."""
         if self.has_checks is not False:
             return (False,) * len(ext_arrays)
-        # References: the list, the loop variable and getrefcount's argument.
-        return tuple(sys.getrefcount(a) <= 3 for a in ext_arrays)
+        return unshared(ext_arrays, held)
 
-    def has_executable(self, donate):
-        return donate in self.executables
+    def prepare(self, ext_arrays, packed_scalars, held=None):
+        """Everything before running: learn the checks, choose the donation and compile its
+        executable if new (a compile is the long part of a first run, and an interrupted one
+        consumes nothing).  An error here is left to `run`, which fails the same way.
+        Returns the call to hand to `run`."""
+        start = time.perf_counter()
+        try:
+            self.learn_checks(ext_arrays, packed_scalars)
+        except Exception:
+            pass
+        donate = self.donation(ext_arrays, held)
+        compiling = donate not in self.executables
+        try:
+            self.compile(ext_arrays, donate, packed_scalars)
+        except Exception:
+            pass
+        return donate, compiling, start
 
     def compile(self, ext_arrays, donate, packed_scalars):
-        """The executable for this donation pattern, compiled ahead of running it if new: a
-        compile is the long part of a first run, and an interrupted one consumes nothing."""
+        """The executable for this donation pattern, compiled if new."""
         fn = self.executables.get(donate)
         if fn is None:
-            fn = jax.jit(_segment_function(*self.structure, donate),
-                         donate_argnums=(0,) if any(donate) else (), compiler_options=_EAGER_ROUNDING)
+            fn = jax.jit(segment_function(*self.structure, donate),
+                         donate_argnums=(0,) if any(donate) else (), compiler_options=EAGER_ROUNDING)
             with _donation_warnings_ignored():
                 fn.lower(*_split(ext_arrays, donate), packed_scalars).compile()
             self.executables[donate] = fn
         return fn
 
-    def run(self, ext_arrays, donate, packed_scalars):
-        """(results, checks) of the executable for this donation pattern (built if new)."""
-        fn = self.compile(ext_arrays, donate, packed_scalars)
-        donated, kept = _split(ext_arrays, donate)
-        with _donation_warnings_ignored():
-            results, checks = fn(donated, kept, packed_scalars)
-        metrics.counters["donated_buffers"] += len(donated)
-        return results, checks
+    def run(self, ext_arrays, call, packed_scalars):
+        """(results, failure): failure is None, or (i, error) for the first op i whose index
+        check failed (its error, not raised: the caller says where the op came from)."""
+        donate, compiling, start = call
+        try:
+            fn = self.compile(ext_arrays, donate, packed_scalars)
+            donated, kept = _split(ext_arrays, donate)
+            with _donation_warnings_ignored():
+                results, checks = fn(donated, kept, packed_scalars)
+            metrics.counters["donated_buffers"] += len(donated)
+        finally:
+            if compiling:
+                metrics.counters[f"{self.kind}_compiles"] += 1
+                metrics.counters["compile_seconds"] += time.perf_counter() - start
+            else:
+                metrics.counters[f"{self.kind}_cache_hits"] += 1
+        failed = first_failed_check(checks)
+        if failed is None:
+            return results, None
+        return results, (failed, self.structure[0][failed][0].check_error(checks[failed]))
 
     def lower(self, ext_arrays, packed_scalars):
-        fn = jax.jit(_segment_function(*self.structure, (False,) * len(ext_arrays)),
-                     compiler_options=_EAGER_ROUNDING)
+        fn = jax.jit(segment_function(*self.structure, (False,) * len(ext_arrays)),
+                     compiler_options=EAGER_ROUNDING)
         return fn.lower([], ext_arrays, packed_scalars)
 
 
@@ -414,13 +426,21 @@ def _donation_warnings_ignored():
         yield
 
 
+def unshared(arrays, held=None):
+    """Per array: does nothing but the list `arrays` refer to it (and, where `held[k]`, the one
+    storage the caller overwrites with the results)?  Such an array may be donated: its memory
+    can hold a result.  References counted: the list, the loop variable, getrefcount's argument."""
+    counts = [sys.getrefcount(a) for a in arrays]  # (zip would hold one more reference)
+    return tuple(c <= 3 + h for c, h in zip(counts, held or (0,) * len(arrays)))
+
+
 def _split(ext_arrays, donate):
     """(donated, kept): the two argument lists of a segment's executable."""
     return ([a for a, d in zip(ext_arrays, donate) if d],
             [a for a, d in zip(ext_arrays, donate) if not d])
 
 
-def _segment_function(signature, outputs, scalar_types, donate):
+def segment_function(signature, outputs, scalar_types, donate):
     def segment(donated, kept, packed):
         donated_it, kept_it = iter(donated), iter(kept)
         ext = [next(donated_it) if d else next(kept_it) for d in donate]
@@ -440,7 +460,7 @@ def _segment_function(signature, outputs, scalar_types, donate):
     return segment
 
 
-def _first_failed_check(checks):
+def first_failed_check(checks):
     if not any(checks):
         return None
     for i, op_checks in enumerate(jax.device_get(checks)):
@@ -467,8 +487,9 @@ def _replay_and_raise(tr, reason):
         ins = [slots[w] if w >= 0 else tr.ext_arrays[-1 - w] for w in wiring]
         try:
             outs, updated, checks = compiled.fn(*ins, *tr.scalars[pos:pos + n_scalars])
-            if checks:
-                kernel._raise_failed_checks(compiled, checks)
+            error = compiled.check_error(checks) if checks else None
+            if error is not None:
+                raise error
         except Exception as e:
             error = debug.attributed(
                 e, kernel.overload, debug.describe_key(compiled.key), where,

@@ -25,7 +25,6 @@ Memory: a storage's memory belongs to its tensors (PJRT allocates it); graphs ke
 pool, so `pool=`/`graph_pool_handle()` are accepted for compatibility and change nothing.
 """
 import gc
-import sys
 import time
 import warnings
 
@@ -135,12 +134,14 @@ class TPUGraph:
                 slots.append(p.slot)
         self._guarded = [r for r, _ in guarded]
         self._written = [k for _, k in guarded]
+        written = set(self._written)
+        self._held = tuple(int(k in written) for k in range(len(self._inputs)))
         self._signature, self._where = tuple(tr.signature), list(tr.where)
         types = tuple(map(type, tr.scalars))
-        arrays, other = fused._pack_scalars(tr.scalars, types)
+        arrays, other = fused.pack_scalars(tr.scalars, types)
         self._packed_arrays, self._other = arrays, other
         # The positions in `other` of each random op's (seed, offset) pair.
-        in_other = [i for i, t in enumerate(types) if t not in fused._PACKED]
+        in_other = [i for i, t in enumerate(types) if t not in fused.PACKED]
         self._random, pos = [], 0
         for (_, _, n), (kernel, _) in zip(tr.signature, tr.where):
             if kernel.low.random:
@@ -163,7 +164,7 @@ class TPUGraph:
         if fn is None:
             fn = self._jits[mask] = jax.jit(
                 _step_function(*self._structure, len(self._inputs), mask),
-                donate_argnums=(0,) if any(mask) else (), compiler_options=fused._EAGER_ROUNDING)
+                donate_argnums=(0,) if any(mask) else (), compiler_options=fused.EAGER_ROUNDING)
         return fn
 
     def _split(self, arrays, mask):
@@ -174,8 +175,7 @@ class TPUGraph:
     def replay(self):
         if not self._captured:
             raise RuntimeError("torch.tpu graphs: replay() of a graph that was not captured")
-        if fused._trace is not None:
-            fused.flush(FlushReason.GRAPH_REPLAY)
+        fused.flush(FlushReason.GRAPH_REPLAY)
         for group, key, value, optimizer in self._hyper:
             if _hyper_value(group[key]) != value:
                 raise RuntimeError(
@@ -189,9 +189,9 @@ class TPUGraph:
         for k, b in enumerate(inputs):
             if type(arrays[k]) is not Array:
                 arrays[k] = b.value()
-        # Donate what nothing but its storage holds (references: the storage, the list, the
-        # argument of getrefcount).
-        mask = tuple(sys.getrefcount(arrays[k]) <= 3 for k in self._written)
+        # Donate what nothing but its storage, which the step overwrites, holds.
+        donatable = fused.unshared(arrays, self._held)
+        mask = tuple(donatable[k] for k in self._written)
         compiling = mask not in self._jits
         start = time.perf_counter()
         donated, kept = self._split(arrays, mask)
@@ -282,7 +282,7 @@ def _step_function(signature, slots, scalar_types, guarded, n_inputs, mask):
     """The captured step as a JAX function: (donated, kept, packed scalars) -> (results, all
     checks passed, index of the first failed check)."""
     donated_inputs = {k for (_, k), d in zip(guarded, mask) if d}
-    segment = fused._segment_function(
+    segment = fused.segment_function(
         signature, slots, scalar_types, tuple(k in donated_inputs for k in range(n_inputs)))
 
     def step(donated, kept, packed):

@@ -78,6 +78,14 @@ class _OutResized(Exception):
 class _Compiled:
     __slots__ = ("key", "fn", "run", "out_specs", "wrap_specs", "writes", "check_info", "returns", "list_len")
 
+    def check_error(self, checks):
+        """The error of the first of this op's index checks that failed (`checks`: their
+        results), or None; every path that runs the op raises it."""
+        for ok, (exc_type, message) in zip(jax.device_get(checks), self.check_info):
+            if not bool(ok):
+                return exc_type(message)
+        return None
+
 
 def _device_mismatch(a, b):
     return RuntimeError(
@@ -230,13 +238,7 @@ class OpKernel:
                 device = index
             elif device != index:
                 raise _device_mismatch(f"tpu:{device}", t.device)
-            j = _index_of(buffers, buf)
-            if j == len(buffers):
-                buffers.append(buf)
-            if t.is_conj() or t.is_neg():  # lazily conjugated/negated views (x.conj(), ...)
-                key.append((t.dtype, t.shape, t.stride(), t.storage_offset(), j, t.is_conj(), t.is_neg()))
-            else:
-                key.append((t.dtype, t.shape, t.stride(), t.storage_offset(), j))
+            key.append(layout_key(t, buf, buffers))
         elif t.dim() == 0 and t.device.type == "cpu":
             # A 0-dim CPU tensor mixes with device tensors (as with CUDA): its value is traced.
             key.append(("cpu", t.dtype, _is_wrapped_number(t)))
@@ -246,9 +248,9 @@ class OpKernel:
         return device
 
     def _raise_failed_checks(self, compiled, checks):
-        for ok, (exc_type, message) in zip(jax.device_get(checks), compiled.check_info):
-            if not bool(ok):
-                raise exc_type(message)
+        error = compiled.check_error(checks)
+        if error is not None:
+            raise error
 
     def _commit(self, compiled, vals, outs, updated, buffers, device):
         for j, arr in zip(compiled.writes, updated):
@@ -603,6 +605,18 @@ def _is_wrapped_number(t):
     if t.dtype is torch.float64 or t.dtype is torch.complex128:
         return torch.result_type(_int_probe, t) is not t.dtype
     return False
+
+
+def layout_key(t, buf, buffers):
+    """What an executable compiled for tensor `t` (on storage `buf`) depends on: its dtype,
+    shape, strides and offset, which of `buffers` it reads (appended if new: inputs sharing a
+    storage alias), and lazy conj/neg bits.  Op executables and compiled graphs key by it."""
+    j = _index_of(buffers, buf)
+    if j == len(buffers):
+        buffers.append(buf)
+    if t.is_conj() or t.is_neg():  # lazily conjugated/negated views (x.conj(), ...)
+        return t.dtype, t.shape, t.stride(), t.storage_offset(), j, t.is_conj(), t.is_neg()
+    return t.dtype, t.shape, t.stride(), t.storage_offset(), j
 
 
 def _index_of(buffers, buf):
