@@ -78,16 +78,14 @@ class Captured:
         if len(devices) > 1:
             raise RuntimeError(f"torchtpu: compiled graph {name} mixes devices {sorted(devices)}")
         self.device = devices.pop() if devices else torch.tpu.current_device()
-        for b in buffers:
-            b.value()  # materialise lazily zeroed storages so they are inputs, not constants
-        saved = [b._array for b in buffers]
+        # (value() materialises lazily zeroed storages, so they are inputs, not constants)
+        saved = [b.value() for b in buffers]
         try:
             tr, outs = fused.capture(lambda: gm(*args), self.device)
-            mutated = [(j, b._array) for j, b in enumerate(buffers)
-                       if type(b._array) is storage.Pending and b._array.trace is tr]
+            mutated = [(j, b.pending_in(tr)) for j, b in enumerate(buffers) if b.pending_in(tr)]
         finally:
             for b, a in zip(buffers, saved):  # capturing commits nothing
-                b._array = a
+                b.array = a
         self.name = name
         arrays = {id(a): i for i, a in enumerate(saved)}
         # Where each array the recording read comes from: an input (its buffer's position)
@@ -130,15 +128,15 @@ class Captured:
                 return ("arg", i)
         view = (list(o.shape), list(o.stride()), o.storage_offset())
         buf = _buffer(o)
-        p = buf._array if buf is not None else None
-        if type(p) is storage.Pending and p.trace is tr:
+        p = buf.pending_in(tr) if buf is not None else None
+        if p is not None:
             return ("new", result_index(p.slot), *view, o.dtype, buf.nbytes)
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor) and _buffer(a) is buf:
                 return ("alias", i, *view)
         if buf is None:
             raise fused.CaptureBroken(f"the graph computes a {o.device} tensor")
-        if p is None:  # a fresh `empty` tensor the graph never wrote
+        if buf.unwritten:  # a fresh `empty` tensor the graph never wrote
             return ("empty", *view, o.dtype, buf.nbytes)
         return ("constant", o)  # a tensor the graph holds
 
@@ -168,7 +166,7 @@ class Captured:
         if failed is not None:
             raise self._check_error(*failed)
         for j, r in self.mutations:
-            buffers[j]._array = results[r]
+            buffers[j].array = results[r]
         if results:
             sync.track(results[0])
         outs = []
@@ -194,7 +192,7 @@ class Captured:
                     t = storage.wrap(results[r], shape, stride, dtype, self.device, nbytes, offset)
                     storages[r] = t.untyped_storage()
                 else:
-                    t = storage._empty_on(self.device, shape, dtype)
+                    t = storage.empty_on(self.device, shape, dtype)
                     storage.set_storage(t, st, offset, shape, stride)
                 outs.append(t)
         return outs if self.returns_sequence else outs[0]

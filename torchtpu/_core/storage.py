@@ -119,6 +119,16 @@ class DeviceBuffer:
     def array(self, value):
         self._array = value
 
+    def pending_in(self, trace):
+        """The `Pending` value that `trace` will produce for this storage, or None."""
+        a = self._array
+        return a if type(a) is Pending and a.trace is trace else None
+
+    @property
+    def unwritten(self):
+        """Created by `empty` and never written (reads as zeros)."""
+        return self._array is None
+
     def value(self):
         """The array; storage created by `empty` materialises as zeros on first read."""
         a = self._array
@@ -218,7 +228,7 @@ def check_allocation(shape, stride, dtype, index):
             f"capacity of {_capacity(index)} bytes")
 
 
-def _empty_on(index, shape, dtype):
+def empty_on(index, shape, dtype):
     if index == 0:
         return _create_empty(shape, dtype)
     return _seed_for(index, shape, dtype)
@@ -231,7 +241,7 @@ def wrap(array, shape, stride, dtype, index, nbytes=None, offset=0):
         if array is None:
             check_allocation(shape, stride, dtype, index)
         nbytes = storage_numel(shape, stride, offset) * dtype.itemsize
-    t = _empty_on(index, shape, dtype)
+    t = empty_on(index, shape, dtype)
     storage = new_storage(nbytes, index, array, to_jax_dtype(dtype))
     _set_storage.redispatch_boxed(_CPU_KEYS, t, storage, offset, shape, stride)
     return t
