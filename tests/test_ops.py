@@ -108,6 +108,17 @@ def test_inplace_variants_and_out():
     assert torch.allclose(out.cpu(), a * 2)
 
 
+@pytest.mark.parametrize("op", [torch.add, torch.sub, torch.mul, torch.div, torch.eq])
+def test_out_of_wider_dtype_gets_the_promoted_result_rounded(op):
+    # Inputs promote (registry.Promote) to out's float32, and the result is rounded to the
+    # functional's bfloat16 (bool for eq) before out stores it, exactly as on the CPU.
+    a, b = torch.randn(64, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
+    b[:8] = a[:8]
+    ref = op(a, b, out=torch.empty(64))
+    got = op(a.to("tpu"), b.to("tpu"), out=torch.empty(64, device="tpu"))
+    assert_same(got, ref, 0, 0)
+
+
 def test_foreach_ops():
     xs = [torch.randn(3), torch.randn(2, 2)]
     ts = [x.to("tpu") for x in xs]

@@ -36,6 +36,16 @@ class Promote(enum.Enum):
     RESULT = "result"  # to the op's first result dtype (arithmetic: add, mul, where...)
     COMMON = "common"  # to torch.result_type of the first two tensors (comparisons)
 
+    def dtype(self, result_dtypes, tensors):
+        """The torch dtype the op's tensor inputs are cast to, or None: the one promotion rule
+        of every path (op kernels, decompositions).  `result_dtypes`: the dtypes of the op's
+        results; `tensors`: its tensor arguments in order (meta or real)."""
+        if self is Promote.RESULT and result_dtypes:
+            return result_dtypes[0]
+        if self is Promote.COMMON and len(tensors) >= 2:
+            return torch.result_type(*tensors[:2])
+        return None
+
 
 @dataclasses.dataclass
 class Lowering:
@@ -76,6 +86,22 @@ def overload_of(name, missing_ok=False):
         if missing_ok:
             return None
         raise
+
+
+@functools.lru_cache(maxsize=None)
+def parameters(op):
+    """(name, default or None, is out=) of each of `op`'s schema arguments, for `bind`."""
+    return tuple((a.name, a.default_value if a.has_default_value() else None, a.is_out)
+                 for a in op._schema.arguments)
+
+
+def bind(params, args, kwargs):
+    """The one binder of a call to a schema: every argument's value in schema order, from the
+    positional arguments, then the keywords, then the defaults.  `params`: `parameters(op)`."""
+    vals = list(args)
+    for name, default, _ in params[len(vals):]:
+        vals.append(kwargs[name] if name in kwargs else default)
+    return vals
 
 
 def _arg_signature(schema, skip_out=False):

@@ -33,7 +33,7 @@ _FUSED, _BLOCKING = modes.EagerMode.DEFER_AND_FUSE, modes.EagerMode.DEFER_NEVER_
 
 
 class _Arg:
-    __slots__ = ("name", "kind", "kwarg_only", "default", "is_write", "is_out")
+    __slots__ = ("name", "kind", "kwarg_only", "is_write", "is_out")
 
 
 def _classify(schema, static_scalars, traced_floats):
@@ -42,7 +42,6 @@ def _classify(schema, static_scalars, traced_floats):
         x = _Arg()
         x.name = a.name
         x.kwarg_only = a.kwarg_only
-        x.default = a.default_value if a.has_default_value() else None
         x.is_write = a.alias_info is not None and a.alias_info.is_write
         x.is_out = a.is_out
         t = str(a.type)
@@ -100,7 +99,7 @@ class OpKernel:
         self.low = low
         schema = overload._schema
         self.args = _classify(schema, low.static, low.traced)
-        self.n_args = len(self.args)
+        self.params = registry.parameters(overload)
         self.functional_args = [i for i, a in enumerate(self.args) if not a.is_out]
         self.writes = [i for i, a in enumerate(self.args) if a.is_write]
         self.returns = schema.returns
@@ -112,11 +111,7 @@ class OpKernel:
 
     # -- binding -------------------------------------------------------------------------
     def bind(self, args, kwargs):
-        vals = list(args)
-        if len(vals) < self.n_args:
-            for a in self.args[len(vals):]:
-                vals.append(kwargs[a.name] if a.name in kwargs else a.default)
-        return vals
+        return registry.bind(self.params, args, kwargs)
 
     # -- the hot path ----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -368,20 +363,20 @@ class OpKernel:
         write_targets = self._write_targets(vals, buffers)
         compiled.writes = sorted({j for j, *_ in write_targets})
         low, fargs_idx, argdefs = self.low, self.functional_args, self.args
-        promote = low.promote
-        promote_dtype = None
-        if promote is registry.Promote.RESULT and out_specs:
-            promote_dtype = to_jax_dtype(out_specs[0][2])
-        elif promote is registry.Promote.RESULT and write_targets:
-            promote_dtype = to_jax_dtype(vals[self.writes[0]].dtype) if argdefs[self.writes[0]].kind == _T else None
-        elif promote is registry.Promote.COMMON:
-            tensors = [m for m in tree_flatten((pos, kw))[0] if isinstance(m, torch.Tensor)]
-            promote_dtype = to_jax_dtype(torch.result_type(*tensors[:2])) if len(tensors) >= 2 else None
         # An out= op computes its functional's results, rounded to their dtypes, and casts them
         # to out's dtype (tanh(bfloat16, out=float32) rounds to bfloat16 first, as PyTorch).
         result_dtypes = self._functional_dtypes(pos, kw) if write_targets and self.functional else None
-        if result_dtypes and promote is True:
-            promote_dtype = result_dtypes[0]
+        # Promotion goes to the dtype of the first result, or of the first written argument:
+        # self of an in-place op, out of an out= op (computing bfloat16 inputs in out's float32
+        # and rounding to the functional's dtype matches the CPU; computing in bfloat16 would
+        # let XLA:CPU skip that rounding).
+        if out_specs:
+            promoted_to = [out_specs[0][2]]
+        else:
+            promoted_to = [vals[self.writes[0]].dtype] if write_targets and argdefs[self.writes[0]].kind == _T else []
+        tensors = [m for m in tree_flatten((pos, kw))[0] if isinstance(m, torch.Tensor)]
+        promote_dtype = low.promote.dtype(promoted_to, tensors)
+        promote_dtype = None if promote_dtype is None else to_jax_dtype(promote_dtype)
         n_buf = len(buffers)
         # Only plain values may be captured: a captured tensor would never be freed.
         consts = {}

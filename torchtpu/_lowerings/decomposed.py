@@ -21,6 +21,7 @@ from jax import lax
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .._core.dtypes import to_jax_dtype, to_torch_dtype
+from .._core import registry
 from .._core.registry import TABLE, Promote, lowering
 
 aten = torch.ops.aten
@@ -198,41 +199,24 @@ def _table_entry(target):
     return low, target
 
 
-def _bind(schema, args, kwargs):
-    vals = []
-    for i, a in enumerate(schema.arguments):
-        if a.is_out:
-            continue
-        if i < len(args):
-            vals.append(args[i])
-        elif a.name in kwargs:
-            vals.append(kwargs[a.name])
-        elif a.has_default_value():
-            vals.append(a.default_value)
-        else:
-            vals.append(None)
-    return vals
-
-
 def _call_lowering(node, target, args, kwargs):
     low, resolved = _table_entry(target)
     if low is None or low.random or low.eager or target._schema.is_mutable:
         raise NotImplementedError(f"no tpu lowering for {target} (needed by a decomposition)")
     schema = resolved._schema if resolved is not target else target._schema
-    vals = _bind(target._schema, args, kwargs)
+    params = registry.parameters(target)
+    vals = [v for v, (_, _, is_out) in zip(registry.bind(params, args, kwargs), params) if not is_out]
     kinds = [str(a.type) for a in schema.arguments if not a.is_out]
     out_meta = _meta_of(node)
     promote = low.promote if target.namespace == "aten" else Promote.NONE
-    dtype = None
-    if promote is Promote.RESULT:
-        first = out_meta[0] if isinstance(out_meta, (tuple, list)) else out_meta
-        dtype = to_jax_dtype(first.dtype) if isinstance(first, torch.Tensor) else None
-    elif promote is Promote.COMMON:
-        # Plain meta stand-ins (the graph's values belong to its own fake mode).
-        metas = [torch.empty((1,) if m.dim() else (), dtype=m.dtype, device="meta")
-                 for m in (_meta_of(a) for a in tree_flatten((node.args, node.kwargs))[0])
-                 if isinstance(m, torch.Tensor)]
-        dtype = to_jax_dtype(torch.result_type(*metas[:2])) if len(metas) >= 2 else None
+    first = out_meta[0] if isinstance(out_meta, (tuple, list)) else out_meta
+    results = [first.dtype] if isinstance(first, torch.Tensor) else []
+    # Plain meta stand-ins (the graph's values belong to its own fake mode).
+    metas = [torch.empty((1,) if m.dim() else (), dtype=m.dtype, device="meta")
+             for m in (_meta_of(a) for a in tree_flatten((node.args, node.kwargs))[0])
+             if isinstance(m, torch.Tensor)] if promote is Promote.COMMON else []
+    dtype = promote.dtype(results, metas)
+    dtype = None if dtype is None else to_jax_dtype(dtype)
 
     def cast(v):
         if dtype is None or v is None:
