@@ -21,15 +21,12 @@ _huggingface.install()
 
 def _install_kernels():
     from . import _lowerings  # noqa: F401  (fills the lowering table)
-    from ._execution import composite, fused, kernels, masks, transfer, views
+    from ._execution import dispatch, fused
     from ._frontend import streams
 
     lib = torch.library.Library("aten", "IMPL")
-    views.register(lib)
-    transfer.register(lib)
+    dispatch.install(lib)
     streams.register(lib)
-    manual = {torch.ops.aten.copy_.default} | masks.register(lib) | composite.register(lib)
-    kernels.register_table(lib, skip=manual)
     fallback_lib = torch.library.Library("_", "IMPL")  # (the PrivateUse1 fallback is torchtpu_autoload's)
     from ._frontend import autocast, patches
     autocast.register(lib, fallback_lib)

@@ -18,9 +18,6 @@ from .._core import metrics
 from .._execution.random import next_key_parts
 from .._core import registry
 
-_MANUAL = {"aten::copy_", "aten::_local_scalar_dense", "aten::resize_"}
-
-
 def unsupported_ops(gm):
     """(op name, stack trace) of graph nodes with no tpu kernel."""
     missing = []
@@ -29,7 +26,7 @@ def unsupported_ops(gm):
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
             continue
         name = target.name()
-        if target in registry.TABLE or target._schema.name in _MANUAL:
+        if target in registry.TABLE:
             continue
         if any(torch._C._dispatch_has_kernel_for_dispatch_key(name, key) for key in
                ("PrivateUse1", "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional",

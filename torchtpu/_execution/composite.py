@@ -104,16 +104,14 @@ def _arange_out(start, end, step=1, *, out):
     return out.copy_(kernel(start, end, step, out=out.new_empty(n)).view(out.shape))
 
 
-def register(lib):
-    kernels = {aten.native_batch_norm.default: _with_update,
-               aten._native_batch_norm_legit.default: _with_update,
-               aten._native_batch_norm_legit.no_stats: _no_stats,
-               aten._batch_norm_with_update.default: _batch_norm_with_update,
-               aten.native_layer_norm.default: _native_layer_norm,
-               aten._linalg_det.default: _transposed_like_pytorch(aten._linalg_det.default),
-               aten._linalg_slogdet.default: _transposed_like_pytorch(aten._linalg_slogdet.default),
-               aten.rrelu_with_noise.default: _rrelu_with_noise,
-               aten.arange.start_out: _arange_out}
-    for op, kernel in kernels.items():
-        lib.impl(op, kernel, "PrivateUse1")
-    return set(kernels)
+def kernels():
+    """The PrivateUse1 kernels of this module (see dispatch.py)."""
+    return {aten.native_batch_norm.default: _with_update,
+            aten._native_batch_norm_legit.default: _with_update,
+            aten._native_batch_norm_legit.no_stats: _no_stats,
+            aten._batch_norm_with_update.default: _batch_norm_with_update,
+            aten.native_layer_norm.default: _native_layer_norm,
+            aten._linalg_det.default: _transposed_like_pytorch(aten._linalg_det.default),
+            aten._linalg_slogdet.default: _transposed_like_pytorch(aten._linalg_slogdet.default),
+            aten.rrelu_with_noise.default: _rrelu_with_noise,
+            aten.arange.start_out: _arange_out}

@@ -44,7 +44,8 @@ def _integer_indices(x, indices):
     return [i.to(x.device) if i is not None and i.device != x.device and i.dim() else i for i in out]
 
 
-def register(lib):
+def kernels():
+    """The PrivateUse1 kernels of this module (see dispatch.py)."""
     index, index_put, index_put_, impl = (
         kernel_for(aten.index.Tensor), kernel_for(aten.index_put.default),
         kernel_for(aten.index_put_.default), kernel_for(aten._index_put_impl_.default))
@@ -61,9 +62,6 @@ def register(lib):
     def index_put_impl_kernel(x, indices, values, accumulate=False, unsafe=False):
         return impl(x, _integer_indices(x, indices), values, accumulate, unsafe)
 
-    lib.impl(aten.index.Tensor, index_kernel, "PrivateUse1")
-    lib.impl(aten.index_put.default, index_put_kernel, "PrivateUse1")
-    lib.impl(aten.index_put_.default, index_put__kernel, "PrivateUse1")
-    lib.impl(aten._index_put_impl_.default, index_put_impl_kernel, "PrivateUse1")
-    return {aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
-            aten._index_put_impl_.default}
+    return {aten.index.Tensor: index_kernel, aten.index_put.default: index_put_kernel,
+            aten.index_put_.default: index_put__kernel,
+            aten._index_put_impl_.default: index_put_impl_kernel}

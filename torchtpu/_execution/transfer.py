@@ -162,10 +162,12 @@ def _equal(self, other):
     return bool(torch.eq(self, other).all().item())
 
 
-def register(lib):
-    lib.impl(aten._pin_memory.default, _pin_memory, "CPU")
-    lib.impl(aten._to_copy.default, _to_copy, "PrivateUse1")
-    lib.impl(aten.copy_.default, _copy_, "PrivateUse1")
-    lib.impl(aten._local_scalar_dense.default, _local_scalar_dense, "PrivateUse1")
-    lib.impl(aten.equal.default, _equal, "PrivateUse1")
-    lib.impl(aten.resize_.default, _resize_, "PrivateUse1")
+def kernels():
+    """The PrivateUse1 kernels of this module (see dispatch.py)."""
+    return {aten._to_copy.default: _to_copy, aten.copy_.default: _copy_,
+            aten._local_scalar_dense.default: _local_scalar_dense, aten.equal.default: _equal,
+            aten.resize_.default: _resize_}
+
+
+# Pinning a CPU tensor for the tpu: the CPU key's kernel.
+CPU_KERNELS = {aten._pin_memory.default: _pin_memory}

@@ -67,9 +67,10 @@ def _set_storage_kernel(op):
 _SET_FROM_STORAGE = (aten.set_.source_Storage, aten.set_.source_Storage_storage_offset)
 
 
-def register(lib):
-    for op in METADATA_OPS:
-        kernel = _set_storage_kernel(op) if op in _SET_FROM_STORAGE else _redispatch(op)
-        lib.impl(op, kernel, "PrivateUse1")
-    lib.impl(aten.empty.memory_format, _empty_memory_format, "PrivateUse1")
-    lib.impl(aten.empty_strided.default, _empty_strided, "PrivateUse1")
+def kernels():
+    """The PrivateUse1 kernels of this module (see dispatch.py)."""
+    table = {op: _set_storage_kernel(op) if op in _SET_FROM_STORAGE else _redispatch(op)
+             for op in METADATA_OPS}
+    table[aten.empty.memory_format] = _empty_memory_format
+    table[aten.empty_strided.default] = _empty_strided
+    return table
