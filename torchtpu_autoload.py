@@ -11,10 +11,15 @@ Kept outside the package so that importing it imports no JAX, and so that a brok
 only warn: `import torch` must never fail because of torchtpu. Set TORCH_DEVICE_BACKEND_AUTOLOAD=0
 to skip it.
 
+It also makes Hugging Face accelerate (and so the transformers Trainer) default to tpu, from a
+bare `import torch` too (see `_patch_accelerate`).
+
 It also guards processes: a forked child of a process whose JAX runtime had started, and a
 DataLoader worker, get a clear error when they touch the device (JAX's runtime does not survive
 fork, and tpu tensors cannot be sent between processes).
 """
+import importlib.abc
+import importlib.util
 import os
 import sys
 import types
@@ -169,8 +174,64 @@ def _create_process_group(*args, **kwargs):
     return _create(*args, **kwargs)
 
 
+# --- Hugging Face accelerate -----------------------------------------------------------------
+
+_ACCELERATE = "accelerate.state"
+
+
+def _patch_accelerate(state):
+    """transformers finds the device through `torch.accelerator` (tpu), but accelerate's
+    `PartialState.default_device` knows a fixed list of device types and falls back to the CPU,
+    so the Trainer's model sat on tpu while accelerate kept the batches on the CPU.  Where
+    accelerate would pick the CPU for lack of an accelerator, it picks tpu instead; an explicit
+    choice still wins (`cpu=True` / `TrainingArguments(use_cpu=True)`, or the
+    ACCELERATE_TORCH_DEVICE variable, which accelerate reads before it asks for a default).
+    Answering costs no JAX import: the stand-in's `is_available` answers alone."""
+    cls = state.PartialState
+    original = cls.default_device
+    if getattr(original.fget, "_torchtpu", False):
+        return
+
+    def default_device(self):
+        device = original.fget(self)
+        if device.type == "cpu" and torch.tpu.is_available():
+            return torch.device("tpu")
+        return device
+
+    default_device._torchtpu = True
+    cls.default_device = property(default_device, doc=original.__doc__)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds `accelerate.state` through the other finders and patches it once it has run
+    (`import torch` must not import accelerate)."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _ACCELERATE:
+            return None
+        sys.meta_path.remove(self)  # one module, once: the finder's work is done either way
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                _patch_accelerate(module)
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+def _install_accelerate_hook():
+    if _ACCELERATE in sys.modules:
+        _patch_accelerate(sys.modules[_ACCELERATE])
+    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
+
+
 def install():
-    """Registers the name `tpu` with the stand-in module, the fallback and the c10d backend."""
+    """Registers the name `tpu` with the stand-in module, the fallback and the c10d backend,
+    and the accelerate hook."""
     if _state.library is not None:
         return
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
@@ -186,6 +247,7 @@ def install():
         dist.Backend.register_backend("tpu", _create_process_group, extended_api=True,
                                       devices=["tpu"])
     os.register_at_fork(after_in_child=_after_fork_in_child)
+    _install_accelerate_hook()
 
 
 def register(module, fallback, tag, restore):

@@ -1,12 +1,15 @@
 """Hugging Face accelerate and the transformers Trainer train on tpu with their defaults (the
 Trainer's default optimizer is the fused AdamW) and match the same run on the CPU."""
 import copy
+import json
 
 import accelerate  # noqa: F401  (test dependencies: these tests must run, not skip)
 import pytest
 import torch
 import transformers
 from accelerate.state import AcceleratorState
+
+from test_processes import run_script
 
 
 @pytest.fixture(autouse=True)
@@ -66,25 +69,49 @@ def test_accelerator_prepared_loop_matches_cpu():
     torch.testing.assert_close(torch.tensor(tpu), torch.tensor(cpu), rtol=1e-4, atol=1e-5)
 
 
+def _train(model, data, output_dir, **extra):
+    """A few Trainer steps with its default arguments: (trainer, logged losses)."""
+    args = transformers.TrainingArguments(
+        output_dir=str(output_dir), max_steps=3, per_device_train_batch_size=2, logging_steps=1,
+        learning_rate=1e-3, report_to=[], save_strategy="no", disable_tqdm=True, **extra)
+    trainer = transformers.Trainer(model=copy.deepcopy(model), args=args, train_dataset=data)
+    trainer.train()
+    return trainer, [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
 def test_trainer_with_default_arguments_trains_on_tpu_and_matches_cpu(tmp_path):
     model, data = _tiny_gpt2(), _dataset()
-
-    def train(**extra):
-        args = transformers.TrainingArguments(
-            output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, logging_steps=1,
-            learning_rate=1e-3, report_to=[], save_strategy="no", disable_tqdm=True, **extra)
-        trainer = transformers.Trainer(model=copy.deepcopy(model), args=args, train_dataset=data)
-        trainer.train()
-        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        return trainer, losses
-
-    tpu, tpu_losses = train()
+    tpu, tpu_losses = _train(model, data, tmp_path)
     assert tpu.args.device.type == "tpu" and tpu.accelerator.device.type == "tpu"
     assert tpu.optimizer.defaults["fused"] is True  # the default optimizer: adamw_torch_fused
     assert all(p.device.type == "tpu" for p in tpu.model.parameters())
-    cpu, cpu_losses = train(use_cpu=True)
+    cpu, cpu_losses = _train(model, data, tmp_path, use_cpu=True)
     assert len(tpu_losses) == 3
     # The Trainer logs losses rounded to 4 decimals.
     torch.testing.assert_close(torch.tensor(tpu_losses), torch.tensor(cpu_losses), rtol=0, atol=2e-4)
     for (name, p), q in zip(tpu.model.named_parameters(), cpu.model.parameters()):
         torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_defaults_reach_tpu_from_a_bare_import_torch(tmp_path):
+    # No `import torchtpu`: PyTorch's autoload registers the device and the accelerate hook,
+    # accelerate picks tpu without loading JAX, and the Trainer then trains there.
+    out = run_script(tmp_path, f"""
+        import json, sys
+        sys.path.insert(0, "tests")
+        import torch
+        import accelerate
+        from test_huggingface import _dataset, _tiny_gpt2, _train
+        device = accelerate.Accelerator().device.type
+        loaded = sorted(m for m in ("jax", "torchtpu") if m in sys.modules)
+        accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
+        model, data = _tiny_gpt2(), _dataset()
+        trainer, losses = _train(model, data, {str(tmp_path)!r})
+        accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
+        _, cpu_losses = _train(model, data, {str(tmp_path)!r}, use_cpu=True)
+        print(json.dumps([device, loaded, trainer.args.device.type, losses, cpu_losses]))
+    """, env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "1"})
+    device, loaded, trainer_device, losses, cpu_losses = json.loads(out.strip().splitlines()[-1])
+    assert (device, loaded, trainer_device) == ("tpu", [], "tpu")
+    assert len(losses) == 3
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(cpu_losses), rtol=0, atol=2e-4)

@@ -13,10 +13,7 @@ from ._core import runtime as _runtime  # noqa: F401  (torchtpu._runtime.platfor
 
 __version__ = "0.1.0"
 
-_registration.register_backend(_module)
-# accelerate is patched when it is imported (no import of it here).
-from ._frontend import huggingface as _huggingface  # noqa: E402
-_huggingface.install()
+_registration.register_backend(_module)  # (with torchtpu_autoload's accelerate hook)
 
 
 def _install_kernels():
