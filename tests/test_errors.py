@@ -96,6 +96,25 @@ def test_cpu_fallback_runs_warns_once_and_counts(eager_mode):
         torch.tpu.enable_cpu_fallback = False
 
 
+def test_cpu_fallback_writes_mutated_arguments_back(monkeypatch):
+    # In-place (positional) and out= (keyword) arguments get the CPU results.
+    lib = torch.library.Library("torchtpu_test_fallback_writes", "DEF")
+    lib.define("scale_(Tensor(a!) x, float s=2.0) -> Tensor(a!)")
+    lib.define("scale.out(Tensor x, float s, *, Tensor(a!) out) -> Tensor(a!)")
+    lib.impl("scale_", lambda x, s=2.0: x.mul_(s), "CPU")
+    lib.impl("scale.out", lambda x, s, *, out: torch.mul(x, s, out=out), "CPU")
+    ops = torch.ops.torchtpu_test_fallback_writes
+    monkeypatch.setattr(torch.tpu, "enable_cpu_fallback", True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        x = torch.arange(4.0, device="tpu")
+        ops.scale_(x)
+        out = torch.zeros(4, device="tpu")
+        ops.scale.out(x, 0.5, out=out)
+    torch.testing.assert_close(x.cpu(), torch.arange(4.0) * 2)
+    torch.testing.assert_close(out.cpu(), torch.arange(4.0))
+
+
 def test_process_survives_bad_calls():
     x = torch.ones(2, device="tpu")
     for bad in (lambda: x.view(3), lambda: x.reshape(-1, 4), lambda: torch.empty(-1, device="tpu")):

@@ -5,7 +5,7 @@ import warnings
 import torch
 from torch.utils._pytree import tree_map
 
-from .._core import metrics
+from .._core import metrics, registry
 from .._core.metrics import FlushReason
 from . import fused
 from .transfer import to_host
@@ -38,10 +38,11 @@ def _fallback(op, *args, **kwargs):
     cpu_kwargs = tree_map(to_cpu, kwargs)
     out = op(*cpu_args, **cpu_kwargs)
     # Mutated tpu arguments get the CPU results written back.
-    for k, a in enumerate(op._schema.arguments):
+    params = registry.parameters(op)
+    for a, orig, result in zip(op._schema.arguments, registry.bind(params, args, kwargs),
+                               registry.bind(params, cpu_args, cpu_kwargs)):
         if a.alias_info is None or not a.alias_info.is_write:
             continue
-        orig, result = (args[k], cpu_args[k]) if k < len(args) else (kwargs.get(a.name), cpu_kwargs.get(a.name))
         if isinstance(orig, torch.Tensor) and orig.device.type == "tpu":
             orig.copy_(result)
     dev = device[0] or torch.device("tpu", torch.tpu.current_device())
