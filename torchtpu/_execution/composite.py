@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from .._core.dtypes import to_torch_dtype
 from .._lowerings.batch_norm import _stats_dtype
 from .._lowerings.factories import _check_arange
+from .._core import storage
+from . import fused
 from .kernels import kernel_for
 
 aten = torch.ops.aten
@@ -104,6 +106,23 @@ def _arange_out(start, end, step=1, *, out):
     return out.copy_(kernel(start, end, step, out=out.new_empty(n)).view(out.shape))
 
 
+# --- zero_ -------------------------------------------------------------------------------
+
+# Zeroing a whole storage forgets its value instead of running an op: the storage reads as
+# zeros, as a fresh `empty` one does.  Optimizers create their state with zeros_like (empty_like,
+# then zero_) on their first step; as a recorded op that would make the first step's fused
+# segment differ from every later one and compile twice.  While ops are captured (compiled
+# graphs, torch.tpu graphs) zero_ stays an op: a replay must zero the storage again.
+def _zero_(t):
+    buf = storage.buffer_of(t)
+    if (t.storage_offset() == 0 and t.is_contiguous() and t.numel() * t.itemsize == buf.nbytes
+            and not fused.capturing()):
+        with fused._lock:  # a flush storing into the buffer must not overwrite this
+            buf._array = None
+        return t
+    return kernel_for(aten.zero_.default)(t)
+
+
 def register(lib):
     kernels = {aten.native_batch_norm.default: _with_update,
                aten._native_batch_norm_legit.default: _with_update,
@@ -113,7 +132,8 @@ def register(lib):
                aten._linalg_det.default: _transposed_like_pytorch(aten._linalg_det.default),
                aten._linalg_slogdet.default: _transposed_like_pytorch(aten._linalg_slogdet.default),
                aten.rrelu_with_noise.default: _rrelu_with_noise,
-               aten.arange.start_out: _arange_out}
+               aten.arange.start_out: _arange_out,
+               aten.zero_.default: _zero_}
     for op, kernel in kernels.items():
         lib.impl(op, kernel, "PrivateUse1")
     return set(kernels)

@@ -36,7 +36,7 @@ class _Arg:
     __slots__ = ("name", "kind", "kwarg_only", "default", "is_write", "is_out")
 
 
-def _classify(schema, static_scalars, traced_floats):
+def _classify(schema, static_scalars, traced):
     args = []
     for a in schema.arguments:
         x = _Arg()
@@ -53,7 +53,7 @@ def _classify(schema, static_scalars, traced_floats):
         elif t in ("List[Tensor]", "List[Optional[Tensor]]"):
             x.kind = _TLIST
         elif (t in ("number", "Optional[number]") and a.name not in static_scalars
-              or t == "float" and a.name in traced_floats):
+              or t in ("float", "bool") and a.name in traced):
             x.kind = _SCALAR
         elif t == "List[number]" and a.name not in static_scalars:
             x.kind = _SCALARLIST
