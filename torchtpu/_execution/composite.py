@@ -7,9 +7,8 @@ import torch.nn.functional as F
 from .._core.dtypes import to_torch_dtype
 from .._lowerings.batch_norm import _stats_dtype
 from .._lowerings.factories import _check_arange
-from .._core import storage
-from . import fused
 from .kernels import kernel_for
+from .transfer import replace_value
 
 aten = torch.ops.aten
 
@@ -108,17 +107,10 @@ def _arange_out(start, end, step=1, *, out):
 
 # --- zero_ -------------------------------------------------------------------------------
 
-# Zeroing a whole storage forgets its value instead of running an op: the storage reads as
-# zeros, as a fresh `empty` one does.  Optimizers create their state with zeros_like (empty_like,
-# then zero_) on their first step; as a recorded op that would make the first step's fused
-# segment differ from every later one and compile twice.  While ops are captured (compiled
-# graphs, torch.tpu graphs) zero_ stays an op: a replay must zero the storage again.
+# Optimizers create their state with zeros_like (empty_like, then zero_) on their first step:
+# zeroing a whole storage forgets its value instead of running an op (transfer.replace_value).
 def _zero_(t):
-    buf = storage.buffer_of(t)
-    if (t.storage_offset() == 0 and t.is_contiguous() and t.numel() * t.itemsize == buf.nbytes
-            and not fused.capturing()):
-        with fused._lock:  # a flush storing into the buffer must not overwrite this
-            buf._array = None
+    if replace_value(t, None):
         return t
     return kernel_for(aten.zero_.default)(t)
 
