@@ -12,9 +12,13 @@ import math
 
 import torch
 
+from . import fused
+
 
 def _momentum_buffers(optimizer, args, kwargs):
-    if not isinstance(optimizer, torch.optim.SGD):
+    # While a torch.tpu graph captures, state created by the step is refused (graphs.py):
+    # PyTorch's own first step runs, so that the refusal names it.
+    if not isinstance(optimizer, torch.optim.SGD) or fused.capturing():
         return
     for group in optimizer.param_groups:
         momentum = group["momentum"]
