@@ -130,6 +130,9 @@ def _child_decode(cache_impl, quick):
 
 
 def _spawn(args, env):
+    # The children import the torchtpu of this checkout, not whichever one is installed.
+    root = os.path.dirname(HERE)
+    env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))}
     out = subprocess.run([sys.executable, os.path.abspath(__file__), *args], env=env,
                          capture_output=True, text=True)
     for line in out.stdout.splitlines():

@@ -70,3 +70,35 @@ def test_second_step_compiles_nothing(mode, name, scaler):
     assert built[0] > 0, built  # the counters see the first step's compiles
     assert built[1:] == [0, 0, 0], built
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(cpu_losses), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_sgd_momentum_buffers_start_as_pytorchs_copy_of_the_gradient(mode):
+    # PyTorch's first SGD step makes each momentum buffer a copy of the gradient; the buffers
+    # made before it (-0.0) must give exactly that, signed zeros included.
+    with torch.tpu.set_eager_mode(MODES[mode]):
+        model = torch.nn.Linear(3, 2).to("tpu")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
+        x = torch.tensor([[1.0, -0.0, 0.0]], device="tpu")
+        (model(x).sum() * -0.0).backward()  # gradients of both signed zeros
+        grads = [p.grad.cpu() for p in model.parameters()]
+        opt.step()
+        for p, g in zip(model.parameters(), grads):
+            buf = opt.state[p]["momentum_buffer"].cpu()
+            assert torch.equal(buf, g) and torch.equal(buf.signbit(), g.signbit()), (buf, g)
+        assert any(g.signbit().any() for g in grads) and not all(g.signbit().all() for g in grads)
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_whole_storage_zero_and_host_copy_are_seen_by_views(mode):
+    with torch.tpu.set_eager_mode(MODES[mode]):
+        t = torch.arange(6.0, device="tpu").view(2, 3)
+        view = t[1]
+        doubled = t * 2  # recorded before: keeps the old value
+        t.zero_()
+        assert torch.equal(view.cpu(), torch.zeros(3)) and torch.equal(doubled.cpu()[1], torch.tensor([6.0, 8.0, 10.0]))
+        t.copy_(torch.ones(2, 3))
+        assert torch.equal(view.cpu(), torch.ones(3)) and torch.equal(t.cpu(), torch.ones(2, 3))
+        part = t[0]  # a view that is not the whole storage zeroes through the op
+        part.zero_()
+        assert torch.equal(t.cpu(), torch.tensor([[0.0, 0, 0], [1, 1, 1]]))
