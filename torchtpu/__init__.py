@@ -29,7 +29,8 @@ def _install_kernels():
     autocast.register(lib, fallback_lib)
     patches.install()
     fused.install()
-    from ._execution import graphs
+    from ._execution import graphs, optimizer_state
+    optimizer_state.install()
     graphs.install()
     from ._compile import cache
     cache.enable()

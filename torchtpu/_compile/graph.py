@@ -88,6 +88,11 @@ class Captured:
         # Where each array the recording read comes from: an input (its buffer's position)
         # or a constant the graph holds.
         self.sources = [arrays.get(id(a), a) for a in tr.ext_arrays]
+        # The trace and its Pending values form a cycle that only the cyclic collector frees:
+        # until then it would hold this call's input arrays, so the first run could not donate
+        # them and the second would compile an executable of its own.
+        tr.ext_arrays.clear()
+        tr.ext_ids.clear()
         self.signature = tuple(tr.signature)
         self.where = tr.where
         self.scalars = list(tr.scalars)

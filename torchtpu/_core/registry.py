@@ -54,8 +54,9 @@ class Lowering:
     # Scalar-typed arguments that must be compile-time constants (their value changes the
     # program, e.g. an integer exponent); every other Scalar is a traced argument.
     static: tuple = ()
-    # `float`-typed arguments passed as traced values instead of compile-time constants (a
-    # learning rate that a scheduler changes every step must not recompile the step).
+    # `float`- or `bool`-typed arguments passed as traced values instead of compile-time
+    # constants (a learning rate that a scheduler changes every step, the first-step flag of
+    # a fused SGD step: the step's first and later calls must be one executable).
     traced: tuple = ()
     # The op reads device values to decide its output (data-dependent shapes): it gets
     # concrete arrays and runs outside jit.

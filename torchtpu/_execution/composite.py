@@ -8,6 +8,7 @@ from .._core.dtypes import to_torch_dtype
 from .._lowerings.batch_norm import _stats_dtype
 from .._lowerings.factories import _check_arange
 from .kernels import kernel_for
+from .transfer import replace_value
 
 aten = torch.ops.aten
 
@@ -104,6 +105,16 @@ def _arange_out(start, end, step=1, *, out):
     return out.copy_(kernel(start, end, step, out=out.new_empty(n)).view(out.shape))
 
 
+# --- zero_ -------------------------------------------------------------------------------
+
+# Optimizers create their state with zeros_like (empty_like, then zero_) on their first step:
+# zeroing a whole storage forgets its value instead of running an op (transfer.replace_value).
+def _zero_(t):
+    if replace_value(t, None):
+        return t
+    return kernel_for(aten.zero_.default)(t)
+
+
 def kernels():
     """The PrivateUse1 kernels of this module (see dispatch.py)."""
     return {aten.native_batch_norm.default: _with_update,
@@ -114,4 +125,5 @@ def kernels():
             aten._linalg_det.default: _transposed_like_pytorch(aten._linalg_det.default),
             aten._linalg_slogdet.default: _transposed_like_pytorch(aten._linalg_slogdet.default),
             aten.rrelu_with_noise.default: _rrelu_with_noise,
-            aten.arange.start_out: _arange_out}
+            aten.arange.start_out: _arange_out,
+            aten.zero_.default: _zero_}

@@ -10,6 +10,7 @@ For each registered overload a PrivateUse1 kernel turns the call into
 Nothing is committed before the executable returned (and its index checks passed), so a
 failing op leaves every tensor as it was.
 """
+import math
 import os
 import threading
 
@@ -36,7 +37,7 @@ class _Arg:
     __slots__ = ("name", "kind", "kwarg_only", "is_write", "is_out")
 
 
-def _classify(schema, static_scalars, traced_floats):
+def _classify(schema, static_scalars, traced):
     args = []
     for a in schema.arguments:
         x = _Arg()
@@ -52,7 +53,7 @@ def _classify(schema, static_scalars, traced_floats):
         elif t in ("List[Tensor]", "List[Optional[Tensor]]"):
             x.kind = _TLIST
         elif (t in ("number", "Optional[number]") and a.name not in static_scalars
-              or t == "float" and a.name in traced_floats):
+              or t in ("float", "bool") and a.name in traced):
             x.kind = _SCALAR
         elif t == "List[number]" and a.name not in static_scalars:
             x.kind = _SCALARLIST
@@ -62,6 +63,11 @@ def _classify(schema, static_scalars, traced_floats):
             x.kind = _STATIC
         args.append(x)
     return args
+
+
+def _one_value(compiled):
+    """Whether an op's outputs are one element (or none) each."""
+    return all(math.prod(shape) <= 1 for shape, _, _, _ in compiled.wrap_specs)
 
 
 def _hashable(v):
@@ -187,6 +193,13 @@ class OpKernel:
             compiled = self._compile(key, vals, buffers, scalars, device)
         else:
             bounded.op_executables.lookup(compiled)  # marks it recently used
+        if fused_mode and not (buffers or self.low.random) and _one_value(compiled) \
+                and not fused.capturing():
+            # A single value made from Python numbers runs at once, outside the trace: code
+            # that creates such state lazily on its first call (GradScaler's scale and growth
+            # tracker) would otherwise make the first step's segment differ from the later ones.
+            fused_mode = False
+            scalars = [_device_scalar(v, device) for v in scalars]
         if fused_mode:
             if not self.low.eager:
                 return fused.record(self, compiled, vals, buffers, scalars, device)

@@ -72,6 +72,9 @@ def _copy_(self, src, non_blocking=False):
         return self.copy_(to_host(src), non_blocking)
     if src.device.type != "tpu":  # host -> device
         src = from_host(src, self.device.index)
+        if src.dtype == self.dtype and src.shape == self.shape and \
+                replace_value(self, storage.buffer_of(src).value()):
+            return self
     elif src.untyped_storage()._tpu is self.untyped_storage()._tpu:
         _check_no_partial_overlap(self, src)
     elif src.device.index != self.device.index:  # device -> device
@@ -79,6 +82,22 @@ def _copy_(self, src, non_blocking=False):
         src = storage.wrap(moved, tuple(src.shape), storage.contiguous_strides(src.shape),
                            src.dtype, self.device.index)
     return kernel_for(aten.copy_.default)(self, src, non_blocking)
+
+
+def replace_value(t, array):
+    """Give a tensor that covers its whole storage the value `array` (None: zeros, as a fresh
+    storage reads) without running an op; whether it could.  Placing a model on the device or
+    creating optimizer state then adds no ops to a fused trace, so the first training step's
+    segments equal the later steps' instead of compiling twice.  Not while ops are captured:
+    a replay must write the value again."""
+    buf = storage.buffer_of(t)
+    if not (t.storage_offset() == 0 and t.is_contiguous() and t.numel() * t.itemsize == buf.nbytes
+            and (array is None or array.dtype == buf.dtype) and not fused.capturing()):
+        return False
+    with fused._lock:  # not while a flush is storing its results
+        buf._array = array
+        buf.from_bytes = False
+    return True
 
 
 def _check_no_partial_overlap(dst, src):

@@ -62,6 +62,9 @@ PATCHES = [
     Patch("torch.optim's global optimizer step post hook",
           "fused eager runs its trace when optimizer.step() returns",
           "_execution/fused.install(), at import"),
+    Patch("torch.optim's global optimizer step pre hook",
+          "SGD momentum buffers exist before the first step, which then compiles as every later one",
+          "_execution/optimizer_state.install(), at import"),
 ]
 
 

@@ -15,8 +15,8 @@ from .meta import dtype_name
 from .._core.registry import lowering
 
 
-def _register(op, validate):
-    return lowering(f"aten::{op}", f"aten::{op}.tensor_lr", traced=("lr",), opmath=True,
+def _register(op, validate, traced=("lr",)):
+    return lowering(f"aten::{op}", f"aten::{op}.tensor_lr", traced=traced, opmath=True,
                     validate=validate)
 
 
@@ -111,7 +111,7 @@ def _validate_adagrad(params, grads, state_sums, state_steps, lr, lr_decay, weig
            grad_scale, found_inf)
 
 
-@_register("_fused_sgd_", _validate_sgd)
+@_register("_fused_sgd_", _validate_sgd, traced=("lr", "is_first_step"))
 def fused_sgd(params, grads, momentum_buffer_list, weight_decay, momentum, lr, dampening, nesterov,
               maximize, is_first_step, grad_scale=None, found_inf=None):
     lr = _scalar(lr)
@@ -122,8 +122,9 @@ def fused_sgd(params, grads, momentum_buffer_list, weight_decay, momentum, lr, d
         if weight_decay != 0:
             g = g + weight_decay * p
         if momentum != 0:
-            # torch.optim creates the buffers uninitialised before the first step.
-            b = g if is_first_step else buf[0] * momentum + (1 - dampening) * g
+            # torch.optim creates the buffers uninitialised before the first step.  The flag
+            # is traced, so the first step is the same executable as the later ones.
+            b = jnp.where(is_first_step, g, buf[0] * momentum + (1 - dampening) * g)
             g = g + momentum * b if nesterov else b
             buf = (b,)
         return (p - lr * g, *buf)
