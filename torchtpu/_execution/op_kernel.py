@@ -19,7 +19,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from .._core import runtime, storage
-from .._core.dtypes import to_jax_dtype, to_torch_dtype
+from .._core.dtypes import cast, to_jax_dtype, to_torch_dtype
 from .._core import registry
 from .._lowerings.meta import dtype_name
 from . import bounded, debug, fused, modes, overlap, strided, sync
@@ -433,13 +433,13 @@ class OpKernel:
                 for k, ((j, shape, stride, offset, dtype, conj, neg), value) in enumerate(
                         zip(write_targets, flat_updates)):
                     if result_dtypes:
-                        value = jnp.asarray(value).astype(result_dtypes[min(k, len(result_dtypes) - 1)])
+                        value = cast(value, result_dtypes[min(k, len(result_dtypes) - 1)])
                     value = _unapply_bits(jnp.broadcast_to(jnp.asarray(value), shape), conj, neg)
                     new_arrays[j] = strided.write(new_arrays[j], shape, stride, offset, dtype, value)
             if low.eager and not specs:  # data-dependent shapes: the values define them
                 outs = [jnp.asarray(v) for v in flat]
             for (shape, stride, dtype), value in zip(specs, flat):
-                value = jnp.broadcast_to(jnp.asarray(value).astype(dtype), shape)
+                value = jnp.broadcast_to(cast(value, dtype), shape)
                 outs.append(strided.store(value, stride))
             return outs, [new_arrays[j] for j in compiled.writes], [c for c, _, _ in checks]
 

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
+from .._core.dtypes import check_scalar_fits
 from .._core.registry import Promote, check, lowering
 from .meta import _c10_name
 
@@ -388,7 +389,12 @@ def clone(x, memory_format=None):
     return x
 
 
-@lowering("aten::fill.Scalar", "aten::fill.Tensor")
+def _check_fill(x, value):
+    if not isinstance(value, torch.Tensor):  # a 0-dim tensor value converts unchecked
+        check_scalar_fits(value, x.dtype, x.numel())
+
+
+@lowering("aten::fill.Scalar", "aten::fill.Tensor", validate=_check_fill)
 def fill(x, value):
     return jnp.broadcast_to(jnp.asarray(value), x.shape)
 
@@ -402,6 +408,8 @@ def _check_masked_fill(x, mask, value):
     if mask.dtype != torch.bool:
         raise RuntimeError(f"masked_fill_ only supports boolean masks, but got mask with dtype "
                            f"{_c10_name(mask.dtype)}")
+    if not isinstance(value, torch.Tensor):
+        check_scalar_fits(value, x.dtype)
 
 
 @lowering("aten::masked_fill.Scalar", "aten::masked_fill.Tensor", validate=_check_masked_fill)
