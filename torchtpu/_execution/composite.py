@@ -104,6 +104,16 @@ def _arange_out(start, end, step=1, *, out):
     return out.copy_(kernel(start, end, step, out=out.new_empty(n)).view(out.shape))
 
 
+# The CPU's huber_loss computes each element's loss in the promoted dtype into an output of the
+# input's dtype, then reduces that (PyTorch's meta kernel says the promoted dtype).
+def _huber_loss(x, target, reduction=1, delta=1.0):
+    kernel = kernel_for(aten.huber_loss.default)
+    if x.dtype == target.dtype:
+        return kernel(x, target, reduction, delta)
+    loss = kernel(x, target, 0, delta).to(x.dtype)
+    return loss.mean() if reduction == 1 else loss.sum() if reduction == 2 else loss
+
+
 def register(lib):
     kernels = {aten.native_batch_norm.default: _with_update,
                aten._native_batch_norm_legit.default: _with_update,
@@ -113,7 +123,8 @@ def register(lib):
                aten._linalg_det.default: _transposed_like_pytorch(aten._linalg_det.default),
                aten._linalg_slogdet.default: _transposed_like_pytorch(aten._linalg_slogdet.default),
                aten.rrelu_with_noise.default: _rrelu_with_noise,
-               aten.arange.start_out: _arange_out}
+               aten.arange.start_out: _arange_out,
+               aten.huber_loss.default: _huber_loss}
     for op, kernel in kernels.items():
         lib.impl(op, kernel, "PrivateUse1")
     return set(kernels)

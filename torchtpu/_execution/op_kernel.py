@@ -378,7 +378,7 @@ class OpKernel:
         # An out= op computes its functional's results, rounded to their dtypes, and casts them
         # to out's dtype (tanh(bfloat16, out=float32) rounds to bfloat16 first, as PyTorch).
         result_dtypes = self._functional_dtypes(pos, kw) if write_targets and self.functional else None
-        if result_dtypes and promote is True:
+        if result_dtypes and promote is registry.Promote.RESULT:
             promote_dtype = result_dtypes[0]
         n_buf = len(buffers)
         # Only plain values may be captured: a captured tensor would never be freed.

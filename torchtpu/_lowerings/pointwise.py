@@ -22,12 +22,25 @@ def add(x, y, alpha=1):
     return x + alpha * y
 
 
-@lowering("aten::sub.Tensor", "aten::sub.Scalar", promote=Promote.RESULT)
+def _check_sub(x, y, alpha=1):
+    # PyTorch's sub_check; a Python bool counts as a bool tensor.
+    bools = [t.dtype == torch.bool if isinstance(t, torch.Tensor) else isinstance(t, bool)
+             for t in (x, y)]
+    if all(bools):
+        raise RuntimeError("Subtraction, the `-` operator, with two bool tensors is not supported. "
+                           "Use the `^` or `logical_xor()` operator instead.")
+    if any(bools):
+        raise RuntimeError("Subtraction, the `-` operator, with a bool tensor is not supported. "
+                           "If you are trying to invert a mask, use the `~` or `logical_not()` "
+                           "operator instead.")
+
+
+@lowering("aten::sub.Tensor", "aten::sub.Scalar", promote=Promote.RESULT, validate=_check_sub)
 def sub(x, y, alpha=1):
     return x - alpha * y
 
 
-@lowering("aten::rsub.Tensor", "aten::rsub.Scalar", promote=Promote.RESULT)
+@lowering("aten::rsub.Tensor", "aten::rsub.Scalar", promote=Promote.RESULT, validate=_check_sub)
 def rsub(x, y, alpha=1):
     return y - alpha * x
 
@@ -168,6 +181,13 @@ def minimum(x, y):
 def _check_clamp(x, lo=None, hi=None):
     if lo is None and hi is None:
         raise RuntimeError("torch.clamp: At least one of 'min' or 'max' must not be None")
+    bounds = [b for b in (lo, hi) if b is not None]
+    if x.dtype == torch.bool and all(
+            isinstance(b, bool) or isinstance(b, torch.Tensor) and b.dtype == torch.bool for b in bounds):
+        # Bool bounds keep the result bool, which the CPU kernels have no code for.
+        name = "clamp_min_scalar_cpu" if hi is None else "clamp_max_scalar_cpu" if lo is None \
+            else "clamp_scalar_cpu"
+        raise NotImplementedError(f'"{name}" not implemented for \'Bool\'')
 
 
 @lowering("aten::clamp.default", "aten::clamp.Tensor", promote=Promote.RESULT, validate=_check_clamp)
@@ -191,6 +211,8 @@ def clamp_max(x, hi):
 
 @lowering("aten::addcmul.default", promote=Promote.RESULT, opmath=True)
 def addcmul(x, a, b, value=1):
+    if jnp.issubdtype(x.dtype, jnp.integer):  # the CPU kernel converts value to the int type
+        value = jnp.asarray(value).astype(x.dtype)
     return x + value * a * b
 
 
