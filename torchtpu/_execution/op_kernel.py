@@ -479,8 +479,9 @@ class OpKernel:
             if self.low.exact_out and out.dtype != dtype:
                 raise RuntimeError(f"Found dtype {dtype_name(out.dtype)} but expected {dtype_name(dtype)}")
             if not torch.can_cast(dtype, out.dtype):
-                raise RuntimeError(f"result type {dtype_name(dtype)} can't be cast to the desired "
-                                   f"output type {dtype_name(out.dtype)}")
+                raise self.low.out_cast_error(
+                    f"result type {dtype_name(dtype)} can't be cast to the desired output type "
+                    f"{dtype_name(out.dtype)}")
 
     def _functional_dtypes(self, pos, kw):
         """Dtypes of the functional overload's results (out= arguments are keyword-only)."""

@@ -5,6 +5,7 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 import torch
+from torch._prims_common import canonicalize_dim
 
 from .._core.registry import check, lowering
 from .._core.dtypes import check_scalar_fits
@@ -38,12 +39,18 @@ def _check_index_select(x, dim, index):
     if x.dim() == 0 and index.numel() != 1:
         raise RuntimeError(f"index_select(): Index to scalar can have only 1 value, got "
                            f"{index.numel()} value(s)")
+    if x.dim() and x.shape[dim] == 0 and index.numel() and dim % x.dim() != 1:
+        raise RuntimeError("index_select(): self indexing axis dim should be positive")
 
 
 @lowering("aten::index_select.default", validate=_check_index_select)
 def index_select(x, dim, index):
     size = x.shape[dim] if x.ndim else 1
-    check_index(index, size, "index out of range in self", negative=False)
+    if x.ndim > 1 and dim % x.ndim == 1:  # the CPU's kernel for dim 1 raises its own error
+        check_index(index, size, f"INDICES element is out of DATA bounds, axis_dim={size}",
+                    RuntimeError, negative=False)
+    else:
+        check_index(index, size, "index out of range in self", negative=False)
     if x.ndim == 0:
         return x
     return jnp.take(x, _wrap(index, size), axis=dim)
@@ -146,17 +153,9 @@ def scatter_with_reduce(x, dim, index, src, reduce):
     return scatter_reduce(x, dim, index, src, {"add": "sum", "multiply": "prod"}[reduce])
 
 
-def _wrap_dim(x, dim):
-    n = max(x.dim(), 1)
-    if not -n <= dim < n:
-        raise IndexError(f"Dimension out of range (expected to be in range of [{-n}, {n - 1}], "
-                         f"but got {dim})")
-    return dim % n
-
-
 def _check_index_add(x, dim, index, source, alpha=1):
     # PyTorch's CPU kernel checks these (after wrapping dim); its meta kernel does not.
-    _wrap_dim(x, dim)
+    canonicalize_dim(x.dim(), dim)  # IndexError first, as the CPU
     if index.dtype not in (torch.int32, torch.int64):
         raise RuntimeError(f"index_add_(): Expected dtype int32/int64 for index but got: "
                            f"{dtype_name(index.dtype)}")
@@ -201,7 +200,7 @@ def index_add(x, dim, index, source, alpha=1):
 
 
 def _check_index_fill(x, dim, index, value):
-    _wrap_dim(x, dim)
+    canonicalize_dim(x.dim(), dim)  # IndexError first, as the CPU
     if index.dtype != torch.int64:
         raise IndexError("index_fill_(): Expected dtype int64 for index.")
     if not isinstance(value, torch.Tensor):
@@ -279,7 +278,7 @@ lowering("aten::_index_put_impl_.default", validate=_check_index_put)(index_put)
 
 
 def _check_index_copy(x, dim, index, source):
-    _wrap_dim(x, dim)
+    canonicalize_dim(x.dim(), dim)  # IndexError first, as the CPU
     if source.dtype != x.dtype:
         raise RuntimeError(f"index_copy_(): self and source expected to have the same dtype, but got "
                            f"(self) {dtype_name(x.dtype)} and (source) {dtype_name(source.dtype)}")

@@ -1,4 +1,5 @@
-"""Dtypes the CPU kernels have no code for.
+"""Dtypes the CPU kernels have no code for, and other checks of theirs that decomposed
+lowerings' meta kernels lack.
 
 PyTorch's meta kernels accept them (and JAX would compute something), so each op names the
 kinds of (promoted) dtype its CPU kernel refuses, with the CPU's exception type.  Applied once
@@ -107,3 +108,12 @@ refuse(("bool", "complex", torch.uint8, torch.int8, torch.int16, torch.int32),
        "aten::avg_pool2d.default", "aten::avg_pool3d.default")
 refuse(("bool", "int", "complex"), "aten::huber_loss.default", arity=2)
 refuse(("complex",), "aten::copysign.Tensor", "aten::copysign.Scalar", arity=2)
+
+
+def _check_max_pool2d(x, *rest):
+    # The CPU checks the rank before anything else (the Python meta kernel wraps dims first).
+    if x.dim() not in (3, 4):
+        raise RuntimeError("non-empty 3D or 4D (batch mode) tensor expected for input")
+
+
+TABLE[overload_of("aten::max_pool2d_with_indices.default")].validate = _check_max_pool2d
