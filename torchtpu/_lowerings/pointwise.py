@@ -271,14 +271,9 @@ def round_decimals(x, decimals=0):
     return jnp.round(x, decimals)
 
 
-@lowering("aten::atan2.default", promote=Promote.RESULT)
-def atan2(x, y):
-    return jnp.arctan2(x, y)
-
-
-@lowering("aten::hypot.default", promote=Promote.RESULT)
-def hypot(x, y):
-    return jnp.hypot(x, y)
+for _name, _fn in {"atan2": jnp.arctan2, "hypot": jnp.hypot, "fmax": jnp.fmax,
+                   "fmin": jnp.fmin}.items():
+    lowering(f"aten::{_name}.default", promote=Promote.RESULT)(_fn)
 
 
 @lowering("aten::logaddexp.default", promote=Promote.RESULT, opmath=True)
@@ -363,29 +358,9 @@ for _name, _fn in {"bitwise_and": jnp.bitwise_and, "bitwise_or": jnp.bitwise_or,
     lowering(f"aten::{_name}.Tensor", f"aten::{_name}.Scalar", promote=Promote.RESULT)(_fn)
 
 
-@lowering("aten::isnan.default")
-def isnan(x):
-    return jnp.isnan(x)
-
-
-@lowering("aten::isinf.default")
-def isinf(x):
-    return jnp.isinf(x)
-
-
-@lowering("aten::isposinf.default")
-def isposinf(x):
-    return jnp.isposinf(x)
-
-
-@lowering("aten::isneginf.default")
-def isneginf(x):
-    return jnp.isneginf(x)
-
-
-@lowering("aten::signbit.default")
-def signbit(x):
-    return jnp.signbit(x)
+# Elementwise predicates (their dtype refusals are in refusals.py).
+for _name in ("isnan", "isinf", "isposinf", "isneginf", "signbit"):
+    lowering(f"aten::{_name}.default")(getattr(jnp, _name))
 
 
 @lowering("aten::nan_to_num.default")
@@ -437,16 +412,6 @@ def _check_masked_fill(x, mask, value):
 @lowering("aten::masked_fill.Scalar", "aten::masked_fill.Tensor", validate=_check_masked_fill)
 def masked_fill(x, mask, value):
     return jnp.where(mask, jnp.asarray(value).astype(x.dtype), x)
-
-
-@lowering("aten::fmax.default", promote=Promote.RESULT)
-def fmax(a, b):
-    return jnp.fmax(a, b)
-
-
-@lowering("aten::fmin.default", promote=Promote.RESULT)
-def fmin(a, b):
-    return jnp.fmin(a, b)
 
 
 @lowering("aten::copysign.Scalar", promote=Promote.RESULT)

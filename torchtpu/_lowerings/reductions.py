@@ -113,14 +113,9 @@ def aminmax(x, dim=None, keepdim=False):
     return (jnp.min(x, axis=axis, keepdims=keepdim), jnp.max(x, axis=axis, keepdims=keepdim))
 
 
-@lowering("aten::max.default")
-def max_all(x):
-    return jnp.max(x)
-
-
-@lowering("aten::min.default")
-def min_all(x):
-    return jnp.min(x)
+# Whole-tensor reductions without options.
+for _name, _fn in {"max": jnp.max, "min": jnp.min, "any": jnp.any, "all": jnp.all}.items():
+    lowering(f"aten::{_name}.default")(_fn)
 
 
 def _arg_extreme(x, dim, keepdim, pick):
@@ -169,16 +164,6 @@ def var_mean(x, dim=None, correction=None, keepdim=False):
 def std(x, dim=None, correction=None, keepdim=False):
     ddof = 1 if correction is None else correction
     return jnp.std(x, axis=_dims(x, dim), ddof=ddof, keepdims=keepdim)
-
-
-@lowering("aten::any.default")
-def any_all(x):
-    return jnp.any(x)
-
-
-@lowering("aten::all.default")
-def all_all(x):
-    return jnp.all(x)
 
 
 @lowering("aten::any.dim", "aten::any.dims")
