@@ -400,6 +400,8 @@ def nonzero_static(x, size, fill_value=-1):
 
 
 def _check_put(x, index, source, accumulate=False):
+    if index.dtype != torch.int64:
+        raise RuntimeError(f"put_(): Expected a long tensor for index, but got {dtype_name(index.dtype)}")
     if source.numel() != index.numel():
         raise IndexError("put_(): Expected source and index to have the same number of elements, "
                          f"but got source.numel() = {source.numel()}, index.numel() = {index.numel()}")

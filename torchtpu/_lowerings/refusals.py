@@ -96,7 +96,7 @@ refuse(("bool", "int", "complex"), "aten::_softmax.default", "aten::_log_softmax
        empty=False)
 refuse(("bool", "int", "complex"), "aten::igamma.default", "aten::igammac.default", arity=2)
 
-for _name in ("heaviside.default", "neg.default", "round.default", "round.decimals", "bitwise_not.default", "frac.default",
+for _name in ("amax.default", "amin.default", "heaviside.default", "neg.default", "round.default", "round.decimals", "bitwise_not.default", "frac.default",
               "nan_to_num.default"):
     TABLE[overload_of("aten::" + _name)].exact_out = True
 refuse(("bool",), "aten::addcmul.default")
@@ -117,3 +117,4 @@ def _check_max_pool2d(x, *rest):
 
 
 TABLE[overload_of("aten::max_pool2d_with_indices.default")].validate = _check_max_pool2d
+refuse(("bool",), "aten::max_pool2d_with_indices.default", "aten::dot.default")
