@@ -417,24 +417,3 @@ def test_short_fuzz_run_finds_nothing_wrong(eager_mode):
     bad = [o for o in offending if o[1] in fuzz.FAILURES]
     assert sum(counts[eager_mode].values()) == 40
     assert not bad, bad
-
-
-def test_accumulating_index_put_compiles_per_bucket_not_per_index_count(eager_mode):
-    """PyTorch's duplicate-index loop accumulated a new number of indices each call, and each
-    count compiled its own (slow) scatter: counts are padded to powers of two, with padded
-    entries that change nothing (-0.0 added at index 0 keeps a -0.0 there)."""
-    from torchtpu._execution.kernels import kernel_for
-    kernel = kernel_for(torch.ops.aten.index_put.default)
-    before = len(kernel.cache)
-    for n in range(1, 21):
-        idx = torch.arange(n) % 3
-        x = torch.tensor([-0.0, 1.0, 2.0], dtype=torch.float64)
-        v = torch.linspace(-1, 1, n, dtype=torch.float64)
-        got = x.to("tpu").index_put((idx.to("tpu"),), v.to("tpu"), accumulate=True)
-        torch.testing.assert_close(got.cpu(), x.index_put((idx,), v, accumulate=True), rtol=0, atol=0)
-    if eager_mode != "fused":  # fused mode compiles whole segments, not this op's executables
-        assert len(kernel.cache) - before <= 2  # buckets 16 and 32
-    # The padded entries add -0.0 at index 0, which keeps its sign.
-    x = torch.tensor([-0.0, 1.0], device="tpu").index_put(
-        (torch.tensor([1, 1, 1], device="tpu"),), torch.ones(3, device="tpu"), accumulate=True)
-    assert x.cpu().tolist() == [-0.0, 4.0] and math.copysign(1, x[0].item()) == -1

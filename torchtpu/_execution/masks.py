@@ -44,29 +44,6 @@ def _integer_indices(x, indices):
     return [i.to(x.device) if i is not None and i.device != x.device and i.dim() else i for i in out]
 
 
-# An XLA scatter compiles slowly (about a second per index shape on the CPU), and loops that
-# accumulate a new number of indices each call (PyTorch's duplicate-index tests, data-dependent
-# masks) would compile one each.  A single 1-D index of an accumulating index_put is padded to a
-# power-of-two count instead: each padded entry adds -0.0 (0 for integers, False for bools) at
-# index 0, which changes no value, and only the cheap padding ops compile per count.
-_MIN_BUCKET = 16
-
-
-def _bucketed(x, indices, values):
-    if len(indices) != 1 or indices[0] is None or indices[0].dim() != 1 or x.dim() == 0 \
-            or x.shape[0] == 0 or values.dtype != x.dtype:
-        return indices, values
-    idx = indices[0]
-    n = idx.shape[0]
-    size = max(_MIN_BUCKET, 1 << max(n - 1, 0).bit_length())
-    shape = (n,) + tuple(x.shape[1:])
-    if size == n or tuple(torch.broadcast_shapes(values.shape, shape)) != shape:
-        return indices, values  # a mismatch raises PyTorch's error unpadded
-    zero = -0.0 if x.is_floating_point() or x.is_complex() else 0
-    values = torch.cat([values.expand(shape), values.new_full((size - n,) + shape[1:], zero)])
-    return [torch.cat([idx, idx.new_zeros(size - n)])], values
-
-
 def register(lib):
     index, index_put, index_put_, impl = (
         kernel_for(aten.index.Tensor), kernel_for(aten.index_put.default),
@@ -75,18 +52,14 @@ def register(lib):
     def index_kernel(x, indices):
         return index(x, _integer_indices(x, indices))
 
-    def indices_values(x, indices, values, accumulate):
-        indices = _integer_indices(x, indices)
-        return _bucketed(x, indices, values) if accumulate else (indices, values)
-
     def index_put_kernel(x, indices, values, accumulate=False):
-        return index_put(x, *indices_values(x, indices, values, accumulate), accumulate)
+        return index_put(x, _integer_indices(x, indices), values, accumulate)
 
     def index_put__kernel(x, indices, values, accumulate=False):
-        return index_put_(x, *indices_values(x, indices, values, accumulate), accumulate)
+        return index_put_(x, _integer_indices(x, indices), values, accumulate)
 
     def index_put_impl_kernel(x, indices, values, accumulate=False, unsafe=False):
-        return impl(x, *indices_values(x, indices, values, accumulate), accumulate, unsafe)
+        return impl(x, _integer_indices(x, indices), values, accumulate, unsafe)
 
     lib.impl(aten.index.Tensor, index_kernel, "PrivateUse1")
     lib.impl(aten.index_put.default, index_put_kernel, "PrivateUse1")
