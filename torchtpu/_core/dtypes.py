@@ -1,4 +1,6 @@
 """torch dtype <-> JAX dtype, and host conversions that numpy cannot do for bfloat16."""
+import math
+
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -57,3 +59,55 @@ def numpy_to_tensor(a, dtype):
     if carrier is None:
         return torch.from_numpy(a)
     return torch.from_numpy(a.view(to_jax_dtype(carrier))).view(dtype)
+
+
+def cast(x, dtype):
+    """`x.astype(dtype)` converting floats to integers as PyTorch's CPU kernels do on x86:
+    through int64 for int64 and through int32 for narrower types (so -4.0 becomes 252 in uint8
+    and 300.0 becomes 44 in int8, where XLA saturates), an out-of-range or NaN value giving the
+    intermediate type's minimum (cvttss2si's "integer indefinite").  CUDA saturates those
+    out-of-range values instead; its in-range wrap-around agrees with the CPU."""
+    x = jnp.asarray(x)
+    dtype = jnp.dtype(dtype)
+    if not (jnp.issubdtype(x.dtype, jnp.inexact) and jnp.issubdtype(dtype, jnp.integer)):
+        return x.astype(dtype)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        x = jnp.real(x)
+    wide = jnp.int64 if dtype.itemsize == 8 else jnp.int32
+    low = float(jnp.iinfo(wide).min)
+    fits = (x >= low) & (x < -low)  # False for NaN
+    y = jnp.where(fits, x, 0).astype(wide)
+    return jnp.where(fits, y, jnp.iinfo(wide).min).astype(dtype)
+
+
+_CPP_NAMES = {torch.uint8: "uint8_t", torch.int8: "int8_t", torch.int16: "int16_t",
+              torch.int32: "int", torch.int64: "int64_t", torch.float16: "c10::Half",
+              torch.bfloat16: "c10::BFloat16", torch.float32: "float", torch.float64: "double"}
+
+
+def check_scalar_fits(value, dtype, numel=2):
+    """PyTorch's checked conversion of a Scalar to a tensor's dtype (c10::overflows), as its CPU
+    fill kernels apply it (fill_, full, masked_fill, index_fill): RuntimeError for a value out of
+    the dtype's range, NaN for an integer type, or a complex value with an imaginary part for a
+    real type.  Unsigned types take negative integers down to -max (they wrap); infinities fit
+    floating types.  A one-element half-precision tensor is filled unchecked on the CPU."""
+    if dtype == torch.bool or dtype.is_complex or isinstance(value, bool):
+        return
+    if dtype in (torch.float16, torch.bfloat16) and numel == 1:
+        return
+    if isinstance(value, complex):
+        bad = value.imag != 0
+        value = value.real
+    else:
+        bad = False
+    if dtype.is_floating_point:
+        info = torch.finfo(dtype)
+        bad = bad or (not math.isinf(value) and not math.isnan(value)
+                      and not info.min <= value <= info.max)
+    else:
+        info = torch.iinfo(dtype)
+        low = -info.max if info.min == 0 and isinstance(value, int) else info.min
+        bad = bad or math.isnan(value) or not low <= value <= info.max
+    if bad:
+        raise RuntimeError(f"value cannot be converted to type {_CPP_NAMES.get(dtype, dtype)} "
+                           "without overflow")

@@ -115,6 +115,16 @@ def _zero_(t):
     return kernel_for(aten.zero_.default)(t)
 
 
+# The CPU's huber_loss computes each element's loss in the promoted dtype into an output of the
+# input's dtype, then reduces that (PyTorch's meta kernel says the promoted dtype).
+def _huber_loss(x, target, reduction=1, delta=1.0):
+    kernel = kernel_for(aten.huber_loss.default)
+    if x.dtype == target.dtype:
+        return kernel(x, target, reduction, delta)
+    loss = kernel(x, target, 0, delta).to(x.dtype)
+    return loss.mean() if reduction == 1 else loss.sum() if reduction == 2 else loss
+
+
 def kernels():
     """The PrivateUse1 kernels of this module (see dispatch.py)."""
     return {aten.native_batch_norm.default: _with_update,
@@ -126,4 +136,5 @@ def kernels():
             aten._linalg_slogdet.default: _transposed_like_pytorch(aten._linalg_slogdet.default),
             aten.rrelu_with_noise.default: _rrelu_with_noise,
             aten.arange.start_out: _arange_out,
-            aten.zero_.default: _zero_}
+            aten.zero_.default: _zero_,
+            aten.huber_loss.default: _huber_loss}

@@ -16,11 +16,12 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten
 
 from .._core import runtime, storage
-from .._core.dtypes import to_jax_dtype, to_torch_dtype
+from .._core.dtypes import cast, to_jax_dtype, to_torch_dtype
 from .._core import registry
 from .._lowerings.meta import dtype_name
 from . import bounded, debug, fused, modes, overlap, strided, sync
@@ -390,6 +391,11 @@ class OpKernel:
         tensors = [m for m in tree_flatten((pos, kw))[0] if isinstance(m, torch.Tensor)]
         promote_dtype = low.promote.dtype(promoted_to, tensors)
         promote_dtype = None if promote_dtype is None else to_jax_dtype(promote_dtype)
+        # An integer result is computed in its own dtype, whatever out's dtype (fmod(int, int,
+        # out=float) divides as integers and raises on zero, as on the CPU).
+        if (result_dtypes and low.promote is registry.Promote.RESULT
+                and np.dtype(result_dtypes[0]).kind in "biu"):
+            promote_dtype = result_dtypes[0]
         n_buf = len(buffers)
         # Only plain values may be captured: a captured tensor would never be freed.
         consts = {}
@@ -443,13 +449,13 @@ class OpKernel:
                 for k, ((j, shape, stride, offset, dtype, conj, neg), value) in enumerate(
                         zip(write_targets, flat_updates)):
                     if result_dtypes:
-                        value = jnp.asarray(value).astype(result_dtypes[min(k, len(result_dtypes) - 1)])
+                        value = cast(value, result_dtypes[min(k, len(result_dtypes) - 1)])
                     value = _unapply_bits(jnp.broadcast_to(jnp.asarray(value), shape), conj, neg)
                     new_arrays[j] = strided.write(new_arrays[j], shape, stride, offset, dtype, value)
             if low.eager and not specs:  # data-dependent shapes: the values define them
                 outs = [jnp.asarray(v) for v in flat]
             for (shape, stride, dtype), value in zip(specs, flat):
-                value = jnp.broadcast_to(jnp.asarray(value).astype(dtype), shape)
+                value = jnp.broadcast_to(cast(value, dtype), shape)
                 outs.append(strided.store(value, stride))
             return outs, [new_arrays[j] for j in compiled.writes], [c for c, _, _ in checks]
 
@@ -489,8 +495,9 @@ class OpKernel:
             if self.low.exact_out and out.dtype != dtype:
                 raise RuntimeError(f"Found dtype {dtype_name(out.dtype)} but expected {dtype_name(dtype)}")
             if not torch.can_cast(dtype, out.dtype):
-                raise RuntimeError(f"result type {dtype_name(dtype)} can't be cast to the desired "
-                                   f"output type {dtype_name(out.dtype)}")
+                raise self.low.out_cast_error(
+                    f"result type {dtype_name(dtype)} can't be cast to the desired output type "
+                    f"{dtype_name(out.dtype)}")
 
     def _functional_dtypes(self, pos, kw):
         """Dtypes of the functional overload's results (out= arguments are keyword-only)."""

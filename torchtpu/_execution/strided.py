@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .._core.dtypes import cast
 from .._core.storage import contiguous_strides
 
 
@@ -95,7 +96,7 @@ def _read_strided(flat, shape, stride, offset):
 def write(array, shape, stride, offset, dtype, value):
     """`array` with the tensor's elements replaced by `value` (already of the tensor's shape)."""
     shape, stride = tuple(shape), tuple(stride)
-    value = value.astype(dtype)
+    value = cast(value, dtype)
     if is_whole(array.shape, shape, stride, offset) and array.dtype == dtype:
         return value
     n = math.prod(shape)

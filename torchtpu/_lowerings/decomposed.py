@@ -20,7 +20,7 @@ import torch
 from jax import lax
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .._core.dtypes import to_jax_dtype, to_torch_dtype
+from .._core.dtypes import cast, to_jax_dtype, to_torch_dtype
 from .._core import registry
 from .._core.registry import TABLE, Promote, lowering
 
@@ -130,7 +130,7 @@ def _new_full(node, x, size, fill_value, *args, **kwargs):
 
 
 def _convert(node, x, *args, **kwargs):
-    return jnp.asarray(x).astype(_dtype(node))
+    return cast(x, _dtype(node))
 
 
 def _identity(node, x, *args, **kwargs):

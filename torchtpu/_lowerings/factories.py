@@ -1,10 +1,12 @@
 """Tensor factories and random ops (random ops draw from the per-device generator)."""
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 
-from .._core.dtypes import to_jax_dtype
+from .._core.dtypes import check_scalar_fits, to_jax_dtype
 from .._core.registry import check, lowering
 from .meta import dtype_name
 
@@ -22,7 +24,14 @@ def arange(start, end, step=1, dtype=None, layout=None, device=None, pin_memory=
     return jnp.arange(start, end, step)
 
 
-@lowering("aten::full.default")
+def _check_full(size, fill_value, dtype=None, *rest):
+    if dtype is None:  # PyTorch infers it from the value
+        dtype = torch.tensor(fill_value).dtype if not isinstance(fill_value, float) else \
+            torch.get_default_dtype()
+    check_scalar_fits(fill_value, dtype, math.prod(size))
+
+
+@lowering("aten::full.default", validate=_check_full)
 def full(size, fill_value, dtype=None, layout=None, device=None, pin_memory=None):
     return jnp.full(tuple(size), fill_value)
 

@@ -5,8 +5,10 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 import torch
+from torch._prims_common import canonicalize_dim
 
 from .._core.registry import check, lowering
+from .._core.dtypes import check_scalar_fits
 from .meta import dtype_name
 
 
@@ -33,10 +35,22 @@ def _wrap(idx, size):
     return jnp.where(idx < 0, idx + size, idx)
 
 
-@lowering("aten::index_select.default")
+def _check_index_select(x, dim, index):
+    if x.dim() == 0 and index.numel() != 1:
+        raise RuntimeError(f"index_select(): Index to scalar can have only 1 value, got "
+                           f"{index.numel()} value(s)")
+    if x.dim() and x.shape[dim] == 0 and index.numel() and dim % x.dim() != 1:
+        raise RuntimeError("index_select(): self indexing axis dim should be positive")
+
+
+@lowering("aten::index_select.default", validate=_check_index_select)
 def index_select(x, dim, index):
     size = x.shape[dim] if x.ndim else 1
-    check_index(index, size, "index out of range in self", negative=False)
+    if x.ndim > 1 and dim % x.ndim == 1:  # the CPU's kernel for dim 1 raises its own error
+        check_index(index, size, f"INDICES element is out of DATA bounds, axis_dim={size}",
+                    RuntimeError, negative=False)
+    else:
+        check_index(index, size, "index out of range in self", negative=False)
     if x.ndim == 0:
         return x
     return jnp.take(x, _wrap(index, size), axis=dim)
@@ -140,7 +154,11 @@ def scatter_with_reduce(x, dim, index, src, reduce):
 
 
 def _check_index_add(x, dim, index, source, alpha=1):
-    # PyTorch's CPU kernel checks these; its meta kernel does not.
+    # PyTorch's CPU kernel checks these (after wrapping dim); its meta kernel does not.
+    canonicalize_dim(x.dim(), dim)  # IndexError first, as the CPU
+    if index.dtype not in (torch.int32, torch.int64):
+        raise RuntimeError(f"index_add_(): Expected dtype int32/int64 for index but got: "
+                           f"{dtype_name(index.dtype)}")
     if source.dtype != x.dtype:
         raise RuntimeError(f"index_add_(): self ({dtype_name(x.dtype)}) and source "
                            f"({dtype_name(source.dtype)}) must have the same scalar type")
@@ -181,7 +199,15 @@ def index_add(x, dim, index, source, alpha=1):
     return jnp.moveaxis(moved.at[_wrap(index, size)].add(alpha * src), 0, dim)
 
 
-@lowering("aten::index_fill.int_Scalar", "aten::index_fill.int_Tensor")
+def _check_index_fill(x, dim, index, value):
+    canonicalize_dim(x.dim(), dim)  # IndexError first, as the CPU
+    if index.dtype != torch.int64:
+        raise IndexError("index_fill_(): Expected dtype int64 for index.")
+    if not isinstance(value, torch.Tensor):
+        check_scalar_fits(value, x.dtype)
+
+
+@lowering("aten::index_fill.int_Scalar", "aten::index_fill.int_Tensor", validate=_check_index_fill)
 def index_fill(x, dim, index, value):
     size = x.shape[dim] if x.ndim else 1
     check_index(index, size, "index out of range in self")
@@ -203,16 +229,41 @@ def _advanced_index(x, indices):
     return tuple(idx)
 
 
-@lowering("aten::index.Tensor")
+def _check_index(x, indices):
+    for d, i in enumerate(indices):
+        if i is not None and i.numel() and d < x.dim() and x.shape[d] == 0:
+            raise IndexError("index is out of bounds for dimension with size 0")
+
+
+@lowering("aten::index.Tensor", validate=_check_index)
 def index(x, indices):
     return x[_advanced_index(x, indices)]
 
 
 def _check_index_put(x, indices, values, *rest):
+    # PyTorch's order: the index shapes broadcast together, an index into an empty dim is out
+    # of bounds, the dtypes match, the values broadcast to the indexed result.
+    given = [i for i in indices if i is not None]
+    try:
+        torch.broadcast_shapes(*(i.shape for i in given))
+    except RuntimeError:
+        raise IndexError("shape mismatch: indexing tensors could not be broadcast together with "
+                         "shapes " + ", ".join(str(list(i.shape)) for i in given)) from None
+    _check_index(x, indices)
     if values.dtype != x.dtype:
         raise RuntimeError("Index put requires the source and destination dtypes match, got "
                            f"{dtype_name(x.dtype)} for the destination and {dtype_name(values.dtype)} "
                            "for the source.")
+    meta = [None if i is None else torch.empty(i.shape, dtype=i.dtype, device="meta") for i in indices]
+    result = torch.ops.aten.index.Tensor(torch.empty(x.shape, dtype=x.dtype, device="meta"), meta)
+    try:
+        torch.broadcast_shapes(values.shape, result.shape)
+        ok = values.dim() <= result.dim() or all(n == 1 for n in values.shape[:values.dim() - result.dim()])
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise RuntimeError(f"shape mismatch: value tensor of shape {list(values.shape)} cannot be "
+                           f"broadcast to indexing result of shape {list(result.shape)}")
 
 
 @lowering("aten::index_put.default", validate=_check_index_put)
@@ -227,6 +278,7 @@ lowering("aten::_index_put_impl_.default", validate=_check_index_put)(index_put)
 
 
 def _check_index_copy(x, dim, index, source):
+    canonicalize_dim(x.dim(), dim)  # IndexError first, as the CPU
     if source.dtype != x.dtype:
         raise RuntimeError(f"index_copy_(): self and source expected to have the same dtype, but got "
                            f"(self) {dtype_name(x.dtype)} and (source) {dtype_name(source.dtype)}")
@@ -348,6 +400,8 @@ def nonzero_static(x, size, fill_value=-1):
 
 
 def _check_put(x, index, source, accumulate=False):
+    if index.dtype != torch.int64:
+        raise RuntimeError(f"put_(): Expected a long tensor for index, but got {dtype_name(index.dtype)}")
     if source.numel() != index.numel():
         raise IndexError("put_(): Expected source and index to have the same number of elements, "
                          f"but got source.numel() = {source.numel()}, index.numel() = {index.numel()}")

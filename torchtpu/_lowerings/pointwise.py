@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
+from .._core.dtypes import check_scalar_fits
 from .._core.registry import Promote, check, lowering
 from .meta import _c10_name
 
@@ -21,12 +22,25 @@ def add(x, y, alpha=1):
     return x + alpha * y
 
 
-@lowering("aten::sub.Tensor", "aten::sub.Scalar", promote=Promote.RESULT)
+def _check_sub(x, y, alpha=1):
+    # PyTorch's sub_check; a Python bool counts as a bool tensor.
+    bools = [t.dtype == torch.bool if isinstance(t, torch.Tensor) else isinstance(t, bool)
+             for t in (x, y)]
+    if all(bools):
+        raise RuntimeError("Subtraction, the `-` operator, with two bool tensors is not supported. "
+                           "Use the `^` or `logical_xor()` operator instead.")
+    if any(bools):
+        raise RuntimeError("Subtraction, the `-` operator, with a bool tensor is not supported. "
+                           "If you are trying to invert a mask, use the `~` or `logical_not()` "
+                           "operator instead.")
+
+
+@lowering("aten::sub.Tensor", "aten::sub.Scalar", promote=Promote.RESULT, validate=_check_sub)
 def sub(x, y, alpha=1):
     return x - alpha * y
 
 
-@lowering("aten::rsub.Tensor", "aten::rsub.Scalar", promote=Promote.RESULT)
+@lowering("aten::rsub.Tensor", "aten::rsub.Scalar", promote=Promote.RESULT, validate=_check_sub)
 def rsub(x, y, alpha=1):
     return y - alpha * x
 
@@ -167,6 +181,13 @@ def minimum(x, y):
 def _check_clamp(x, lo=None, hi=None):
     if lo is None and hi is None:
         raise RuntimeError("torch.clamp: At least one of 'min' or 'max' must not be None")
+    bounds = [b for b in (lo, hi) if b is not None]
+    if x.dtype == torch.bool and all(
+            isinstance(b, bool) or isinstance(b, torch.Tensor) and b.dtype == torch.bool for b in bounds):
+        # Bool bounds keep the result bool, which the CPU kernels have no code for.
+        name = "clamp_min_scalar_cpu" if hi is None else "clamp_max_scalar_cpu" if lo is None \
+            else "clamp_scalar_cpu"
+        raise NotImplementedError(f'"{name}" not implemented for \'Bool\'')
 
 
 @lowering("aten::clamp.default", "aten::clamp.Tensor", promote=Promote.RESULT, validate=_check_clamp)
@@ -190,6 +211,8 @@ def clamp_max(x, hi):
 
 @lowering("aten::addcmul.default", promote=Promote.RESULT, opmath=True)
 def addcmul(x, a, b, value=1):
+    if jnp.issubdtype(x.dtype, jnp.integer):  # the CPU kernel converts value to the int type
+        value = jnp.asarray(value).astype(x.dtype)
     return x + value * a * b
 
 
@@ -248,14 +271,9 @@ def round_decimals(x, decimals=0):
     return jnp.round(x, decimals)
 
 
-@lowering("aten::atan2.default", promote=Promote.RESULT)
-def atan2(x, y):
-    return jnp.arctan2(x, y)
-
-
-@lowering("aten::hypot.default", promote=Promote.RESULT)
-def hypot(x, y):
-    return jnp.hypot(x, y)
+for _name, _fn in {"atan2": jnp.arctan2, "hypot": jnp.hypot, "fmax": jnp.fmax,
+                   "fmin": jnp.fmin}.items():
+    lowering(f"aten::{_name}.default", promote=Promote.RESULT)(_fn)
 
 
 @lowering("aten::logaddexp.default", promote=Promote.RESULT, opmath=True)
@@ -340,29 +358,9 @@ for _name, _fn in {"bitwise_and": jnp.bitwise_and, "bitwise_or": jnp.bitwise_or,
     lowering(f"aten::{_name}.Tensor", f"aten::{_name}.Scalar", promote=Promote.RESULT)(_fn)
 
 
-@lowering("aten::isnan.default")
-def isnan(x):
-    return jnp.isnan(x)
-
-
-@lowering("aten::isinf.default")
-def isinf(x):
-    return jnp.isinf(x)
-
-
-@lowering("aten::isposinf.default")
-def isposinf(x):
-    return jnp.isposinf(x)
-
-
-@lowering("aten::isneginf.default")
-def isneginf(x):
-    return jnp.isneginf(x)
-
-
-@lowering("aten::signbit.default")
-def signbit(x):
-    return jnp.signbit(x)
+# Elementwise predicates (their dtype refusals are in refusals.py).
+for _name in ("isnan", "isinf", "isposinf", "isneginf", "signbit"):
+    lowering(f"aten::{_name}.default")(getattr(jnp, _name))
 
 
 @lowering("aten::nan_to_num.default")
@@ -388,7 +386,12 @@ def clone(x, memory_format=None):
     return x
 
 
-@lowering("aten::fill.Scalar", "aten::fill.Tensor")
+def _check_fill(x, value):
+    if not isinstance(value, torch.Tensor):  # a 0-dim tensor value converts unchecked
+        check_scalar_fits(value, x.dtype, x.numel())
+
+
+@lowering("aten::fill.Scalar", "aten::fill.Tensor", validate=_check_fill)
 def fill(x, value):
     return jnp.broadcast_to(jnp.asarray(value), x.shape)
 
@@ -402,21 +405,13 @@ def _check_masked_fill(x, mask, value):
     if mask.dtype != torch.bool:
         raise RuntimeError(f"masked_fill_ only supports boolean masks, but got mask with dtype "
                            f"{_c10_name(mask.dtype)}")
+    if not isinstance(value, torch.Tensor):
+        check_scalar_fits(value, x.dtype)
 
 
 @lowering("aten::masked_fill.Scalar", "aten::masked_fill.Tensor", validate=_check_masked_fill)
 def masked_fill(x, mask, value):
     return jnp.where(mask, jnp.asarray(value).astype(x.dtype), x)
-
-
-@lowering("aten::fmax.default", promote=Promote.RESULT)
-def fmax(a, b):
-    return jnp.fmax(a, b)
-
-
-@lowering("aten::fmin.default", promote=Promote.RESULT)
-def fmin(a, b):
-    return jnp.fmin(a, b)
 
 
 @lowering("aten::copysign.Scalar", promote=Promote.RESULT)

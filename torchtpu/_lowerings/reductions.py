@@ -61,15 +61,15 @@ def prod_dim(x, dim, keepdim=False, dtype=None):
     return jnp.prod(x.astype(_acc_dtype(x, dtype)), axis=dim, keepdims=keepdim)
 
 
-def _check_extreme_of_empty(name):
+def _check_extreme_of_empty(name, no_dim=RuntimeError):
     """The CPU kernels' errors for a max/min over no elements (their meta kernels raise a
-    generic RuntimeError instead)."""
+    generic RuntimeError instead); `no_dim`: the type of the error without a dim."""
     def validate(x, dim=(), keepdim=False):
         if x.numel() != 0 or x.dim() == 0:
             return
         dims = [dim] if isinstance(dim, int) else list(dim or ())
         if not dims:
-            raise RuntimeError(f"{name}(): Expected reduction dim to be specified for input.numel() == 0. "
+            raise no_dim(f"{name}(): Expected reduction dim to be specified for input.numel() == 0. "
                                "Specify the reduction dim with the 'dim' argument.")
         for d in dims:
             if -x.dim() <= d < x.dim() and x.shape[d] == 0:
@@ -113,14 +113,9 @@ def aminmax(x, dim=None, keepdim=False):
     return (jnp.min(x, axis=axis, keepdims=keepdim), jnp.max(x, axis=axis, keepdims=keepdim))
 
 
-@lowering("aten::max.default")
-def max_all(x):
-    return jnp.max(x)
-
-
-@lowering("aten::min.default")
-def min_all(x):
-    return jnp.min(x)
+# Whole-tensor reductions without options.
+for _name, _fn in {"max": jnp.max, "min": jnp.min, "any": jnp.any, "all": jnp.all}.items():
+    lowering(f"aten::{_name}.default")(_fn)
 
 
 def _arg_extreme(x, dim, keepdim, pick):
@@ -133,30 +128,23 @@ def _arg_extreme(x, dim, keepdim, pick):
     return vals, idx.astype(jnp.int64)
 
 
-@lowering("aten::max.dim")
-def max_dim(x, dim, keepdim=False):
-    return _arg_extreme(x, dim, keepdim, jnp.argmax)
+for _name, _pick in {"max": jnp.argmax, "min": jnp.argmin}.items():
+    lowering(f"aten::{_name}.dim", validate=_check_extreme_of_empty(_name))(
+        lambda x, dim, keepdim=False, pick=_pick: _arg_extreme(x, dim, keepdim, pick))
 
 
-@lowering("aten::min.dim")
-def min_dim(x, dim, keepdim=False):
-    return _arg_extreme(x, dim, keepdim, jnp.argmin)
+def _arg_reduce(pick):
+    def lower(x, dim=None, keepdim=False):
+        if dim is None:
+            r = pick(x.reshape(-1))
+            return r.reshape((1,) * x.ndim) if keepdim else r
+        return pick(x, axis=dim, keepdims=keepdim) if x.ndim else jnp.zeros((), jnp.int64)
+    return lower
 
 
-@lowering("aten::argmax.default")
-def argmax(x, dim=None, keepdim=False):
-    if dim is None:
-        r = jnp.argmax(x.reshape(-1))
-        return r.reshape((1,) * x.ndim) if keepdim else r
-    return jnp.argmax(x, axis=dim, keepdims=keepdim) if x.ndim else jnp.zeros((), jnp.int64)
-
-
-@lowering("aten::argmin.default")
-def argmin(x, dim=None, keepdim=False):
-    if dim is None:
-        r = jnp.argmin(x.reshape(-1))
-        return r.reshape((1,) * x.ndim) if keepdim else r
-    return jnp.argmin(x, axis=dim, keepdims=keepdim) if x.ndim else jnp.zeros((), jnp.int64)
+for _name, _pick in {"argmax": jnp.argmax, "argmin": jnp.argmin}.items():
+    lowering(f"aten::{_name}.default", validate=_check_extreme_of_empty(_name, IndexError))(
+        _arg_reduce(_pick))
 
 
 @lowering("aten::var.correction")
@@ -176,16 +164,6 @@ def var_mean(x, dim=None, correction=None, keepdim=False):
 def std(x, dim=None, correction=None, keepdim=False):
     ddof = 1 if correction is None else correction
     return jnp.std(x, axis=_dims(x, dim), ddof=ddof, keepdims=keepdim)
-
-
-@lowering("aten::any.default")
-def any_all(x):
-    return jnp.any(x)
-
-
-@lowering("aten::all.default")
-def all_all(x):
-    return jnp.all(x)
 
 
 @lowering("aten::any.dim", "aten::any.dims")
@@ -339,12 +317,12 @@ def nanmedian(x):
     return _median_all(x, ignore_nan=True)
 
 
-@lowering("aten::median.dim")
+@lowering("aten::median.dim", validate=_check_extreme_of_empty("median"))
 def median_dim(x, dim, keepdim=False):
     return _median_dim(x, dim, keepdim, ignore_nan=False)
 
 
-@lowering("aten::nanmedian.dim")
+@lowering("aten::nanmedian.dim", validate=_check_extreme_of_empty("nanmedian"))
 def nanmedian_dim(x, dim, keepdim=False):
     return _median_dim(x, dim, keepdim, ignore_nan=True)
 

@@ -1,4 +1,5 @@
-"""Dtypes the CPU kernels have no code for.
+"""Dtypes the CPU kernels have no code for, and other checks of theirs that decomposed
+lowerings' meta kernels lack.
 
 PyTorch's meta kernels accept them (and JAX would compute something), so each op names the
 kinds of (promoted) dtype its CPU kernel refuses, with the CPU's exception type.  Applied once
@@ -14,6 +15,27 @@ def _kind(dtype):
         "float" if dtype.is_floating_point else "int"
 
 
+def _meta_error(name, args):
+    """The IndexError (a dim out of range) PyTorch's meta kernel of `name` raises for `args`,
+    else None: the CPU kernels wrap their dims before they dispatch on the dtype.  (Other meta
+    errors are left alone: some Python meta kernels check what the CPU kernel checks later.)"""
+    overload = overload_of(name)
+    schema = [a for a in overload._schema.arguments if not a.is_out]
+    pos, kw = [], {}
+    for a, v in zip(schema, args):
+        if isinstance(v, torch.Tensor):
+            v = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+        if a.kwarg_only:
+            kw[a.name] = v
+        else:
+            pos.append(v)
+    try:
+        overload(*pos, **kw)
+    except Exception as e:  # noqa: BLE001 - only its IndexError is the CPU's
+        return e if isinstance(e, IndexError) else None
+    return None
+
+
 def _refusing(previous, name, kinds, arity, exc, empty):
     def validate(*args):
         if previous is not None:
@@ -24,19 +46,20 @@ def _refusing(previous, name, kinds, arity, exc, empty):
         if not empty and operands[0].numel() == 0:
             return
         dtype = torch.result_type(*operands) if len(operands) == 2 else operands[0].dtype
-        if _kind(dtype) in kinds:
-            raise exc(f'"{name}" not implemented for \'{dtype_name(dtype)}\'')
+        if _kind(dtype) in kinds or dtype in kinds:
+            op = name.split("::")[1].split(".")[0]
+            raise _meta_error(name, args) or exc(f'"{op}" not implemented for \'{dtype_name(dtype)}\'')
     return validate
 
 
 def refuse(kinds, *names, arity=1, exc=NotImplementedError, empty=True):
-    """The lowerings of `names` (aten overloads) refuse `kinds` of dtype, as the CPU does;
+    """The lowerings of `names` (aten overloads) refuse `kinds` of dtype ("bool", "int",
+    "float", "complex", or a torch dtype), as the CPU does, after its shape checks;
     `arity` leading arguments decide the dtype (promoted together); empty=False: a kernel that
     returns before looking at the dtype when its input is empty."""
     lowerings = {id(TABLE[overload_of(n)]): (TABLE[overload_of(n)], n) for n in names}
     for low, name in lowerings.values():
-        op = name.split("::")[1].split(".")[0]
-        low.validate = _refusing(low.validate, op, kinds, arity, exc, empty)
+        low.validate = _refusing(low.validate, name, kinds, arity, exc, empty)
 
 
 refuse(("bool",), "aten::abs.default", "aten::floor.default", "aten::ceil.default",
@@ -73,7 +96,7 @@ refuse(("bool", "int", "complex"), "aten::_softmax.default", "aten::_log_softmax
        empty=False)
 refuse(("bool", "int", "complex"), "aten::igamma.default", "aten::igammac.default", arity=2)
 
-for _name in ("neg.default", "round.default", "round.decimals", "bitwise_not.default", "frac.default",
+for _name in ("amax.default", "amin.default", "heaviside.default", "neg.default", "round.default", "round.decimals", "bitwise_not.default", "frac.default",
               "nan_to_num.default"):
     TABLE[overload_of("aten::" + _name)].exact_out = True
 refuse(("bool",), "aten::addcmul.default")
@@ -81,3 +104,17 @@ refuse(("bool", "int"), "aten::uniform_.default", "aten::normal_.default")
 refuse(("bool", "int"), "aten::_adaptive_avg_pool2d.default", "aten::_adaptive_avg_pool3d.default")
 refuse(("bool", "int"), "aten::var.correction", "aten::std.correction", "aten::var_mean.correction",
        "aten::std_mean.correction", exc=RuntimeError)
+refuse(("bool", "complex", torch.uint8, torch.int8, torch.int16, torch.int32),
+       "aten::avg_pool2d.default", "aten::avg_pool3d.default")
+refuse(("bool", "int", "complex"), "aten::huber_loss.default", arity=2)
+refuse(("complex",), "aten::copysign.Tensor", "aten::copysign.Scalar", arity=2)
+
+
+def _check_max_pool2d(x, *rest):
+    # The CPU checks the rank before anything else (the Python meta kernel wraps dims first).
+    if x.dim() not in (3, 4):
+        raise RuntimeError("non-empty 3D or 4D (batch mode) tensor expected for input")
+
+
+TABLE[overload_of("aten::max_pool2d_with_indices.default")].validate = _check_max_pool2d
+refuse(("bool",), "aten::max_pool2d_with_indices.default", "aten::dot.default")

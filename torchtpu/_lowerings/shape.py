@@ -1,20 +1,29 @@
 """Ops that build new tensors from pieces: cat, stack, flip, roll, tril/triu, pad, repeat..."""
 import jax
 import jax.numpy as jnp
+from torch._prims_common import canonicalize_dim
 
 from .._core.registry import Promote, lowering
 
 
+def _legacy_empty(t):
+    # PyTorch's cat skips 1-D empty tensors whatever the other tensors' shapes.
+    return t.ndim == 1 and t.shape[0] == 0
+
+
 def _check_cat(tensors, dim=0):
+    shaped = [t for t in tensors if not _legacy_empty(t)]
+    if shaped:  # the CPU wraps dim (by the first such tensor) before its other checks
+        canonicalize_dim(shaped[0].dim(), dim)
     for i, t in enumerate(tensors):
         if t.dim() == 0:
             raise RuntimeError(f"zero-dimensional tensor (at position {i}) cannot be concatenated")
 
 
-@lowering("aten::cat.default", promote=Promote.RESULT, validate=_check_cat)
+@lowering("aten::cat.default", promote=Promote.RESULT, validate=_check_cat, out_cast_error=TypeError)
 def cat(tensors, dim=0):
-    tensors = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0)] or tensors[:1]
-    return jnp.concatenate(tensors, axis=dim)
+    shaped = [t for t in tensors if not _legacy_empty(t)]
+    return jnp.concatenate(shaped, axis=dim) if shaped else tensors[0]
 
 
 def _check_narrow_copy(x, dim, start, length):
@@ -32,7 +41,15 @@ def narrow_copy(x, dim, start, length):
     return jax.lax.slice_in_dim(x, start, start + length, axis=dim)
 
 
-@lowering("aten::stack.default", promote=Promote.RESULT)
+def _check_stack(tensors, dim=0):
+    # The CPU compares the shapes before it wraps dim.
+    for i, t in enumerate(tensors):
+        if t.shape != tensors[0].shape:
+            raise RuntimeError(f"stack expects each tensor to be equal size, but got "
+                               f"{list(tensors[0].shape)} at entry 0 and {list(t.shape)} at entry {i}")
+
+
+@lowering("aten::stack.default", promote=Promote.RESULT, validate=_check_stack)
 def stack(tensors, dim=0):
     return jnp.stack(tensors, axis=dim)
 
