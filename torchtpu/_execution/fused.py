@@ -28,7 +28,7 @@ import torch
 
 from .._core import storage
 from .._core.storage import Failed, Pending
-from . import bounded, debug, modes, sync
+from . import bounded, debug, executables, modes, sync
 from .._core import metrics
 from .._core.metrics import FlushReason
 
@@ -351,21 +351,31 @@ class Segment:
     """One recorded op sequence (a fused segment or a compiled graph): its executables, one
     per pattern of donated inputs."""
 
-    __slots__ = ("structure", "executables", "has_checks")
+    __slots__ = ("structure", "executables", "has_checks", "key", "name")
 
     def __init__(self, signature, outputs, scalar_types):
         self.structure = (signature, outputs, scalar_types)
         self.executables = {}
         self.has_checks = None  # known once traced
+        # For the persistent cache: its ops' own keys, their wiring, what it returns.
+        ops = [(getattr(c.fn, "key", None), wiring, n) for c, wiring, n in signature]
+        self.key = None if any(k is None for k, _, _ in ops) else executables.stable(
+            (ops, outputs, [t.__name__ for t in scalar_types]))
+        names = [c.fn.name for c, _, _ in signature[:1] + signature[-1:] if hasattr(c.fn, "name")]
+        self.name = f"segment of {len(signature)} ops ({' .. '.join(names)})"
 
     def learn_checks(self, ext_arrays, packed_scalars):
         """Trace the segment abstractly the first time it is seen: whether its ops check
         indices is known only from a trace, and must be known before the first executable is
         built, or that one could not donate and a second one would be compiled at once."""
         if self.has_checks is None:
-            jax.eval_shape(_segment_function(*self.structure, (False,) * len(ext_arrays)),
-                           [], ext_arrays, packed_scalars)
-            self.has_checks = any(c.check_info for c, _, _ in self.structure[0])
+            self.has_checks = executables.fact("checks", self.key, lambda: self._trace_checks(
+                ext_arrays, packed_scalars))
+
+    def _trace_checks(self, ext_arrays, packed_scalars):
+        jax.eval_shape(_segment_function(*self.structure, (False,) * len(ext_arrays)),
+                       [], ext_arrays, packed_scalars)
+        return any(c.check_info for c, _, _ in self.structure[0])
 
     def donatable(self, ext_arrays):
         """Per input array: may the segment consume it?  Only arrays nothing else refers to
@@ -384,16 +394,28 @@ class Segment:
         compile is the long part of a first run, and an interrupted one consumes nothing."""
         fn = self.executables.get(donate)
         if fn is None:
-            fn = jax.jit(_segment_function(*self.structure, donate),
-                         donate_argnums=(0,) if any(donate) else (), compiler_options=_EAGER_ROUNDING)
+            fn = executables.Executable(
+                _segment_function(*self.structure, donate),
+                None if self.key is None else f"{self.key} donating {donate}", self.name,
+                traced=(self._checks_info, self._restore_checks_info),
+                donate_argnums=(0,) if any(donate) else (), compiler_options=_EAGER_ROUNDING)
             with _donation_warnings_ignored():
-                fn.lower(*_split(ext_arrays, donate), packed_scalars).compile()
+                fn.prepare(*_split(ext_arrays, donate), packed_scalars)
             self.executables[donate] = fn
         return fn
 
+    def _checks_info(self):
+        return [list(c.check_info) for c, _, _ in self.structure[0]]
+
+    def _restore_checks_info(self, saved):
+        # A loaded segment was not traced: its ops learn their index-check messages from it.
+        for (c, _, _), info in zip(self.structure[0], saved):
+            if not c.check_info:
+                c.check_info[:] = info
+
     def run(self, ext_arrays, donate, packed_scalars):
         """(results, checks) of the executable for this donation pattern (built if new)."""
-        fn = self.compile(ext_arrays, donate, packed_scalars)
+        fn = self.executables.get(donate) or self.compile(ext_arrays, donate, packed_scalars)
         donated, kept = _split(ext_arrays, donate)
         with _donation_warnings_ignored():
             results, checks = fn(donated, kept, packed_scalars)
