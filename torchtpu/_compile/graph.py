@@ -125,6 +125,10 @@ class Captured:
         overwritten = {j for j, _ in self.mutations}
         self.donatable = tuple(isinstance(src, int) and src in overwritten for src in self.sources)
         self.segment = fused.Segment(self.signature, result_slots, self.scalar_types)
+        # The trace and its Pending values form a cycle that only the garbage collector frees;
+        # until then its list of inputs would keep them from being donated.
+        tr.ext_arrays.clear()
+        tr.ext_ids.clear()
 
     @staticmethod
     def _output_spec(o, args, tr, result_index):
@@ -178,7 +182,7 @@ class Captured:
         inputs, ext, packed = self._arguments(buffers)
         start = time.perf_counter()
         self.segment.learn_checks(ext, packed)
-        mask = self._donation(inputs)
+        mask = self.segment.choose(self._donation(inputs))
         del inputs
         compiling = not self.segment.has_executable(mask)
         results, checks = self.segment.run(ext, mask, packed)

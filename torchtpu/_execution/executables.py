@@ -50,8 +50,7 @@ def use_store(store):
 
 
 def _source_digest():
-    import torchtpu
-    root = os.path.dirname(os.path.abspath(torchtpu.__file__))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the torchtpu package
     h = hashlib.sha256()
     for folder, subfolders, files in os.walk(root):
         subfolders.sort()
@@ -222,22 +221,27 @@ def _save(store, entry_key, compiled, extra):
         metrics.counters["executable_cache_unsaved"] += 1
 
 
-def fact(name, key, compute):
-    """compute(): a small value learnt from tracing a program named by `key`, kept in the store
-    beside its executables so that a later process need not trace it."""
+def _fact_key(name, key):
+    return f"torchtpu-fact-{name}-" + hashlib.sha256(f"{fingerprint()}\n{key}".encode()).hexdigest()
+
+
+def recall(name, key):
+    """A small value noted about a program named by `key` (from tracing it, or which variants
+    of it were built), by this or an earlier process; None if not known."""
     if _store is None or key is None:
-        return compute()
-    digest = hashlib.sha256(f"{fingerprint()}\n{key}".encode()).hexdigest()
-    entry_key = f"torchtpu-fact-{name}-{digest}"
-    data = _store.get(entry_key)
+        return None
+    data = _store.get(_fact_key(name, key))
     if data is not None:
         try:
             return pickle.loads(data)
         except Exception:  # noqa: BLE001 - an unreadable entry is a miss
             metrics.counters["executable_cache_rejected"] += 1
-    value = compute()
-    _writer.submit(_store.put, entry_key, pickle.dumps(value))
-    return value
+    return None
+
+
+def remember(name, key, value):
+    if _store is not None and key is not None:
+        _writer.submit(_store.put, _fact_key(name, key), pickle.dumps(value))
 
 
 def wait_for_writes():

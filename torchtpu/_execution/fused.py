@@ -253,7 +253,7 @@ def _flush(tr, reason, op):
         segment.learn_checks(tr.ext_arrays, packed)
     except Exception:
         pass  # running it fails the same way, and is replayed op by op
-    donate = segment.donatable(tr.ext_arrays)
+    donate = segment.choose(segment.donatable(tr.ext_arrays))
     compiling = not segment.has_executable(donate)
     try:
         segment.compile(tr.ext_arrays, donate, packed)
@@ -351,7 +351,7 @@ class Segment:
     """One recorded op sequence (a fused segment or a compiled graph): its executables, one
     per pattern of donated inputs."""
 
-    __slots__ = ("structure", "executables", "has_checks", "key", "name")
+    __slots__ = ("structure", "executables", "has_checks", "key", "name", "patterns")
 
     def __init__(self, signature, outputs, scalar_types):
         self.structure = (signature, outputs, scalar_types)
@@ -363,14 +363,17 @@ class Segment:
             (ops, outputs, [t.__name__ for t in scalar_types]))
         names = [c.fn.name for c, _, _ in signature[:1] + signature[-1:] if hasattr(c.fn, "name")]
         self.name = f"segment of {len(signature)} ops ({' .. '.join(names)})"
+        self.patterns = None  # donation patterns built, here or by earlier processes
 
     def learn_checks(self, ext_arrays, packed_scalars):
         """Trace the segment abstractly the first time it is seen: whether its ops check
         indices is known only from a trace, and must be known before the first executable is
         built, or that one could not donate and a second one would be compiled at once."""
         if self.has_checks is None:
-            self.has_checks = executables.fact("checks", self.key, lambda: self._trace_checks(
-                ext_arrays, packed_scalars))
+            self.has_checks = executables.recall("checks", self.key)
+        if self.has_checks is None:
+            self.has_checks = self._trace_checks(ext_arrays, packed_scalars)
+            executables.remember("checks", self.key, self.has_checks)
 
     def _trace_checks(self, ext_arrays, packed_scalars):
         jax.eval_shape(_segment_function(*self.structure, (False,) * len(ext_arrays)),
@@ -385,6 +388,21 @@ class Segment:
             return (False,) * len(ext_arrays)
         # References: the list, the loop variable and getrefcount's argument.
         return tuple(sys.getrefcount(a) <= 3 for a in ext_arrays)
+
+    def choose(self, donate):
+        """The donation pattern to run with, given what `donate` allows: itself if built (here
+        or by an earlier process), else the built one donating the most of it (donating less
+        is always correct, and cheaper than compiling), else itself (built now).  Which inputs
+        are free to donate depends on who else holds them, which a restart can change."""
+        if donate in self.executables:
+            return donate
+        if self.patterns is None:
+            self.patterns = set(executables.recall("donations", self.key) or ())
+        if donate in self.patterns:
+            return donate
+        usable = [p for p in self.patterns if len(p) == len(donate)
+                  and all(d or not q for q, d in zip(p, donate))]
+        return max(usable, key=sum) if usable else donate
 
     def has_executable(self, donate):
         return donate in self.executables
@@ -402,6 +420,10 @@ class Segment:
             with _donation_warnings_ignored():
                 fn.prepare(*_split(ext_arrays, donate), packed_scalars)
             self.executables[donate] = fn
+            if self.patterns is not None and donate not in self.patterns:
+                # With those another process noted meanwhile (a lost race only costs a compile).
+                self.patterns |= {donate, *map(tuple, executables.recall("donations", self.key) or ())}
+                executables.remember("donations", self.key, sorted(self.patterns))
         return fn
 
     def _checks_info(self):
