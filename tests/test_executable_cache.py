@@ -164,6 +164,27 @@ def test_a_static_argument_is_part_of_the_key(tmp_path):
         assert "RESULT True" in out
 
 
+def test_a_lowering_from_outside_torchtpu_is_never_stored():
+    """A user's jax_op can change between runs with no version saying so."""
+    @torch.tpu.pallas.jax_op
+    def plus_two(x):
+        return x + 2
+
+    x = torch.ones(3, device="tpu")
+    assert plus_two(x).cpu().tolist() == [3.0] * 3
+    (x + 1).cpu()
+    keys = {str(k.overload): [c.fn.key for c in k.cache.values()] for k in _kernels() if k.cache}
+    (mine,) = [name for name in keys if name.startswith("torchtpu_jax.plus_two")]
+    assert keys[mine] == [None]
+    assert keys["aten.add.Tensor"] and all(k is not None for k in keys["aten.add.Tensor"])
+
+
+def _kernels():
+    import gc
+    from torchtpu._execution.op_kernel import OpKernel
+    return [o for o in gc.get_objects() if type(o) is OpKernel]
+
+
 def test_an_unstable_key_is_never_stored():
     assert executables.stable((1, torch.float32, "a")) == "(1, torch.float32, 'a')"
     assert executables.stable((1, object())) is None

@@ -322,13 +322,23 @@ class OpKernel:
             compiled.key = key
             if not self.low.eager:  # eager ops run un-jitted and are rebuilt per call
                 compiled.fn = executables.Executable(
-                    compiled.run, executables.stable((str(self.overload), key)), str(self.overload),
+                    compiled.run, self._persistent_key(key), str(self.overload),
                     describe=lambda: debug.describe_key(key),
                     traced=(lambda: list(compiled.check_info), _restorer(compiled.check_info)))
                 metrics.counters["compiles"] += 1
                 self.cache[key] = compiled
                 bounded.op_executables.insert(compiled, self.cache)
             return compiled
+
+    def _persistent_key(self, key):
+        """The key of this op's executable across processes, or None to keep it in memory
+        only: a lowering from outside torchtpu (a user's jax_op, a custom op) can change
+        between runs without any version saying so."""
+        low = self.low.fn
+        if (self.overload.namespace not in ("aten", "prims")
+                or not getattr(low, "__module__", "").startswith("torchtpu.")):
+            return None
+        return executables.stable((str(self.overload), key))
 
     def _build(self, vals, buffers, scalars, device):
         overlap.check(self, vals, resized=False)
