@@ -19,8 +19,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A small training step (forward, cross-entropy, backward, AdamW) for 3 steps; prints the
 # metrics that matter and saves the losses and parameters.
 STEP = r"""
-import sys, numpy as np, torch, torchtpu
+import os, sys, jax, numpy as np, torch, torchtpu
 from torchtpu._execution import executables
+if os.environ.get("JAX_CACHES_EVERYTHING"):
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 mode, out = sys.argv[1], sys.argv[2]
 if len(sys.argv) > 3:
     torchtpu.__version__ = sys.argv[3]  # what another release would be
@@ -118,6 +120,24 @@ def test_a_damaged_entry_is_rebuilt_never_loaded(tmp_path, damage):
     again = _step(tmp_path, "strict", "again")
     assert again["compiled"] == 0 and again["rejected"] == 0
     assert _bits(tmp_path, "again") == _bits(tmp_path, "cold")
+
+
+def test_jax_never_serves_our_programs(tmp_path, monkeypatch):
+    """XLA:CPU loses functions when it serializes an executable it deserialized: an entry of
+    ours made from a program JAX's own cache served would fail to run in the next process.
+    Here JAX's cache keeps every program, ours are deleted, and the next two processes must
+    still compute the same bits (the second loading what the first wrote)."""
+    monkeypatch.setenv("JAX_CACHES_EVERYTHING", "1")
+    _step(tmp_path, "fused", "cold")
+    ours = [p for p in (tmp_path / "cache").glob("*.entry") if b'"key": "torchtpu-' in p.read_bytes()[:400]]
+    assert ours
+    for p in ours:
+        p.unlink()
+    rebuilt = _step(tmp_path, "fused", "rebuilt")
+    assert rebuilt["compiled"] > 0
+    loaded = _step(tmp_path, "fused", "loaded")
+    assert loaded["compiled"] == 0 and loaded["loaded"] > 0
+    assert _bits(tmp_path, "cold") == _bits(tmp_path, "rebuilt") == _bits(tmp_path, "loaded")
 
 
 def test_an_unusable_directory_turns_the_cache_off_with_a_warning(tmp_path):

@@ -27,6 +27,22 @@ def _count(event, **kwargs):
         metrics.counters["persistent_cache_misses"] += 1
 
 
+class _ForJax:
+    """The store as JAX's cache backend, for the programs that are not ours (see
+    executables.compiling_ours)."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self._path = cache.path
+
+    def get(self, key):
+        return None if executables.compiling_ours() else self.cache.get(key)
+
+    def put(self, key, value):
+        if not executables.compiling_ours():
+            self.cache.put(key, value)
+
+
 def enable():
     cache = open_cache()
     if cache is None:
@@ -38,7 +54,7 @@ def enable():
     # JAX consults the cache only when it is.
     from jax._src import compilation_cache
     with compilation_cache._cache_initialized_mutex:
-        compilation_cache._cache = cache
+        compilation_cache._cache = _ForJax(cache)
         compilation_cache._cache_initialized = True
     jax.config.update("jax_compilation_cache_dir", cache.path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)

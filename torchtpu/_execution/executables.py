@@ -43,6 +43,17 @@ _NOT_PROGRAM = ("TORCHTPU_CACHE_DIR", "TORCHTPU_CACHE_MAX_BYTES", "TORCHTPU_METR
                 "TORCHTPU_COMPILE_WORKERS")
 
 
+_local = threading.local()
+
+
+def compiling_ours():
+    """Whether this thread is compiling an Executable's program.  JAX's own persistent cache
+    must then neither serve it nor store it: XLA:CPU drops functions when it serializes an
+    executable that it deserialized (the entry we would write from JAX's copy fails to run
+    with "Function ... not found"), and an entry of ours already holds the program."""
+    return getattr(_local, "ours", False)
+
+
 def use_store(store):
     """Keep executables in `store` (a PrivateCache), or nowhere (None)."""
     global _store
@@ -167,7 +178,11 @@ class Executable:
         t1 = time.perf_counter()
         lowered = traced.lower()
         t2 = time.perf_counter()
-        compiled = lowered.compile()
+        _local.ours = True
+        try:
+            compiled = lowered.compile()
+        finally:
+            _local.ours = False
         t3 = time.perf_counter()
         counters["trace_seconds"] += t1 - t0
         counters["lower_seconds"] += t2 - t1
