@@ -332,11 +332,12 @@ class OpKernel:
 
     def _persistent_key(self, key):
         """The key of this op's executable across processes, or None to keep it in memory
-        only: a lowering from outside torchtpu (a user's jax_op, a custom op) can change
-        between runs without any version saying so."""
-        low = self.low.fn
+        only: a lowering from outside torchtpu, torch and jax (a user's jax_op, a custom op)
+        can change between runs without any version saying so (torch's decompositions and
+        jnp functions are covered by their versions, ours by the source digest)."""
+        module = getattr(self.low.fn, "__module__", None) or ""
         if (self.overload.namespace not in ("aten", "prims")
-                or not getattr(low, "__module__", "").startswith("torchtpu.")):
+                or not module.startswith(("torchtpu.", "torch.", "jax."))):
             return None
         return executables.stable((str(self.overload), key))
 
