@@ -120,6 +120,10 @@ class Captured:
         overwritten = {j for j, _ in self.mutations}
         self.held = tuple(int(isinstance(src, int) and src in overwritten) for src in self.sources)
         self.segment = fused.Segment(self.signature, result_slots, self.scalar_types, "graph")
+        # The trace and its Pending values form a cycle that only the garbage collector frees;
+        # until then its list of inputs would keep them from being donated.
+        tr.ext_arrays.clear()
+        tr.ext_ids.clear()
 
     @staticmethod
     def _output_spec(o, args, tr, result_index):

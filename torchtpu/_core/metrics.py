@@ -8,6 +8,11 @@ import os
 import torch
 
 counters = collections.Counter()
+# Per program (an op overload, a fused segment, a compiled graph): the argument signatures
+# its executables were built or loaded for, so the report can say why one was built twice.
+builds = collections.defaultdict(list)
+_BUILDS_KEPT = 8  # signatures kept per program (the count goes on)
+build_counts = collections.Counter()
 
 
 class FlushReason(str, enum.Enum):
@@ -44,6 +49,20 @@ def snapshot():
 
 def reset():
     counters.clear()
+    builds.clear()
+    build_counts.clear()
+
+
+def note_build(name, signature):
+    build_counts[name] += 1
+    kept = builds[name]
+    if len(kept) < _BUILDS_KEPT:
+        kept.append(signature)
+
+
+def rebuilt():
+    """{program: (times built, [signatures...])} for programs built more than once."""
+    return {name: (n, list(builds[name])) for name, n in build_counts.items() if n > 1}
 
 
 def span(name):
@@ -60,8 +79,11 @@ _SECTIONS = [
     ("torch.compile", ["graph_captures", "graph_recompiles", "graph_compiles", "graph_cache_hits",
                        "graph_eager_runs", "capture_seconds", "graph_evictions"]),
     ("torch.tpu graphs", ["tpu_graph_captures", "tpu_graph_compiles", "tpu_graph_replays"]),
-    ("Compilation", ["compile_seconds", "persistent_cache_hits", "persistent_cache_misses",
-                     "persistent_cache_rejected"]),
+    ("Compilation", ["compile_seconds", "executables_compiled", "trace_seconds", "lower_seconds",
+                     "xla_compile_seconds", "executables_loaded", "cache_load_seconds",
+                     "executable_cache_misses", "executable_cache_rejected",
+                     "executable_cache_unsaved", "persistent_cache_hits",
+                     "persistent_cache_misses", "persistent_cache_rejected"]),
     ("Transfers", ["host_to_device", "host_to_device_bytes", "device_to_host",
                    "device_to_host_bytes"]),
     ("CPU fallback", ["cpu_fallbacks"]),
@@ -89,7 +111,16 @@ _EXPLAINED = {
     "tpu_graph_compiles": "torch.tpu graph executables built (one per capture)",
     "tpu_graph_replays": "torch.tpu graph replays (one executable call each)",
     "compile_seconds": "seconds in first runs of segments/graphs (trace + XLA compile)",
-    "persistent_cache_hits": "executables loaded from the persistent cache",
+    "executables_compiled": "executables traced, lowered and compiled by XLA (all paths)",
+    "trace_seconds": "seconds tracing Python into JAX programs",
+    "lower_seconds": "seconds lowering programs to StableHLO",
+    "xla_compile_seconds": "seconds in the XLA compiler",
+    "executables_loaded": "executables loaded from the persistent cache (no trace, no XLA)",
+    "cache_load_seconds": "seconds reading and loading those",
+    "executable_cache_misses": "persistent cache lookups that found no executable",
+    "executable_cache_rejected": "persistent executables refused (corrupt, foreign, unloadable)",
+    "executable_cache_unsaved": "executables that could not be serialized into the cache",
+    "persistent_cache_hits": "JAX-level programs loaded from the persistent cache",
     "persistent_cache_rejected": "cache entries refused (corrupt, foreign or another version)",
     "persistent_cache_misses": "persistent cache lookups that missed",
 }
@@ -111,6 +142,12 @@ def report():
         lines.append(f"\n{title}")
         for k in present:
             lines.append(f"  {k:26s} {_format(c[k]):>14s}  {_EXPLAINED.get(k, '')}".rstrip())
+    again = rebuilt()
+    if again:
+        lines.append("\nExecutables built more than once (program: times, argument shapes)")
+        for name, (n, signatures) in sorted(again.items(), key=lambda kv: -kv[1][0]):
+            lines.append(f"  {name:48s} {n:>10,}")
+            lines.extend(f"      {s[:160]}" for s in signatures)
     for title, prefix in (("Flush reasons", "flush::"), ("CPU fallbacks by op", "cpu_fallback::"),
                           ("Ops by name", "op::")):
         items = sorted(((k[len(prefix):], v) for k, v in c.items() if k.startswith(prefix)),

@@ -6,8 +6,8 @@ quarter of it (512 by default).  Why 2048: a per-op executable holds about 0.8 M
 memory on XLA:CPU (2,000 new shapes made 4,001 executables, 3.2 GB, before this bound), so
 the cap keeps that under ~1.6 GB, while a training step of the GPT in benchmarks/train_step.py
 uses 83 per-op executables and decoding ~14 per new sequence length: models cycling through a
-few shapes never evict.  An evicted executable is rebuilt on its next use (from the persistent
-cache when it was slow to compile); evictions are counted in `torchtpu.metrics()`, so a cap
+few shapes never evict.  An evicted executable is loaded again from the persistent cache on its
+next use; evictions are counted in `torchtpu.metrics()`, so a cap
 too small for a model shows up as a steady count.
 """
 import collections

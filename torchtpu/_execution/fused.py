@@ -28,7 +28,7 @@ import torch
 
 from .._core import storage
 from .._core.storage import Failed, Pending
-from . import bounded, debug, modes, sync
+from . import bounded, debug, executables, modes, sync
 from .._core import metrics
 from .._core.metrics import FlushReason
 
@@ -337,22 +337,35 @@ class Segment:
     inputs, compile/cache-hit accounting (`{kind}_compiles`, `{kind}_cache_hits`) and finding
     the op whose index check failed.  `prepare` then `run`."""
 
-    __slots__ = ("structure", "executables", "has_checks", "kind")
+    __slots__ = ("structure", "executables", "has_checks", "kind", "key", "name", "patterns")
 
     def __init__(self, signature, outputs, scalar_types, kind):
         self.structure = (signature, outputs, scalar_types)
         self.executables = {}
         self.has_checks = None  # known once traced
         self.kind = kind
+        # For the persistent cache: its ops' own keys, their wiring, what it returns.
+        ops = [(getattr(c.fn, "key", None), wiring, n) for c, wiring, n in signature]
+        self.key = None if any(k is None for k, _, _ in ops) else executables.stable(
+            (ops, outputs, [t.__name__ for t in scalar_types]))
+        names = [c.fn.name for c, _, _ in signature[:1] + signature[-1:] if hasattr(c.fn, "name")]
+        self.name = f"segment of {len(signature)} ops ({' .. '.join(names)})"
+        self.patterns = None  # donation patterns built, here or by earlier processes
 
     def learn_checks(self, ext_arrays, packed_scalars):
         """Trace the segment abstractly the first time it is seen: whether its ops check
         indices is known only from a trace, and must be known before the first executable is
         built, or that one could not donate and a second one would be compiled at once."""
         if self.has_checks is None:
-            jax.eval_shape(segment_function(*self.structure, (False,) * len(ext_arrays)),
-                           [], ext_arrays, packed_scalars)
-            self.has_checks = any(c.check_info for c, _, _ in self.structure[0])
+            self.has_checks = executables.recall("checks", self.key)
+        if self.has_checks is None:
+            self.has_checks = self._trace_checks(ext_arrays, packed_scalars)
+            executables.remember("checks", self.key, self.has_checks)
+
+    def _trace_checks(self, ext_arrays, packed_scalars):
+        jax.eval_shape(segment_function(*self.structure, (False,) * len(ext_arrays)),
+                       [], ext_arrays, packed_scalars)
+        return any(c.check_info for c, _, _ in self.structure[0])
 
     def donation(self, ext_arrays, held=None):
         """Per input array: may the segment consume it?  Only in segments without index
@@ -372,7 +385,7 @@ class Segment:
             self.learn_checks(ext_arrays, packed_scalars)
         except Exception:
             pass
-        donate = self.donation(ext_arrays, held)
+        donate = self.choose(self.donation(ext_arrays, held))
         compiling = donate not in self.executables
         try:
             self.compile(ext_arrays, donate, packed_scalars)
@@ -380,16 +393,47 @@ class Segment:
             pass
         return donate, compiling, start
 
+    def choose(self, donate):
+        """The donation pattern to run with, given what `donate` allows: itself if built (here
+        or by an earlier process), else the built one donating the most of it (donating less
+        is always correct, and cheaper than compiling), else itself (built now).  Which inputs
+        are free to donate depends on who else holds them, which a restart can change."""
+        if donate in self.executables:
+            return donate
+        if self.patterns is None:
+            self.patterns = set(executables.recall("donations", self.key) or ())
+        if donate in self.patterns:
+            return donate
+        usable = [p for p in self.patterns if len(p) == len(donate)
+                  and all(d or not q for q, d in zip(p, donate))]
+        return max(usable, key=sum) if usable else donate
+
     def compile(self, ext_arrays, donate, packed_scalars):
         """The executable for this donation pattern, compiled if new."""
         fn = self.executables.get(donate)
         if fn is None:
-            fn = jax.jit(segment_function(*self.structure, donate),
-                         donate_argnums=(0,) if any(donate) else (), compiler_options=EAGER_ROUNDING)
+            fn = executables.Executable(
+                segment_function(*self.structure, donate),
+                None if self.key is None else f"{self.key} donating {donate}", self.name,
+                traced=(self._checks_info, self._restore_checks_info),
+                donate_argnums=(0,) if any(donate) else (), compiler_options=EAGER_ROUNDING)
             with _donation_warnings_ignored():
-                fn.lower(*_split(ext_arrays, donate), packed_scalars).compile()
+                fn.prepare(*_split(ext_arrays, donate), packed_scalars)
             self.executables[donate] = fn
+            if self.patterns is not None and donate not in self.patterns:
+                # With those another process noted meanwhile (a lost race only costs a compile).
+                self.patterns |= {donate, *map(tuple, executables.recall("donations", self.key) or ())}
+                executables.remember("donations", self.key, sorted(self.patterns))
         return fn
+
+    def _checks_info(self):
+        return [list(c.check_info) for c, _, _ in self.structure[0]]
+
+    def _restore_checks_info(self, saved):
+        # A loaded segment was not traced: its ops learn their index-check messages from it.
+        for (c, _, _), info in zip(self.structure[0], saved):
+            if not c.check_info:
+                c.check_info[:] = info
 
     def run(self, ext_arrays, call, packed_scalars):
         """(results, failure): failure is None, or (i, error) for the first op i whose index

@@ -24,7 +24,7 @@ from .._core import runtime, storage
 from .._core.dtypes import cast, to_jax_dtype, to_torch_dtype
 from .._core import registry
 from .._lowerings.meta import dtype_name
-from . import bounded, debug, fused, modes, overlap, strided, sync
+from . import bounded, debug, executables, fused, modes, overlap, strided, sync
 from .._core import metrics
 from .._core.metrics import FlushReason
 from .random import next_key_parts, key_from_parts
@@ -332,10 +332,25 @@ class OpKernel:
                 compiled = self._build(vals, buffers, scalars, device)
             compiled.key = key
             if not self.low.eager:  # eager ops run un-jitted and are rebuilt per call
+                compiled.fn = executables.Executable(
+                    compiled.run, self._persistent_key(key), str(self.overload),
+                    describe=lambda: debug.describe_key(key),
+                    traced=(lambda: list(compiled.check_info), _restorer(compiled.check_info)))
                 metrics.counters["compiles"] += 1
                 self.cache[key] = compiled
                 bounded.op_executables.insert(compiled, self.cache)
             return compiled
+
+    def _persistent_key(self, key):
+        """The key of this op's executable across processes, or None to keep it in memory
+        only: a lowering from outside torchtpu, torch and jax (a user's jax_op, a custom op)
+        can change between runs without any version saying so (torch's decompositions and
+        jnp functions are covered by their versions, ours by the source digest)."""
+        module = getattr(self.low.fn, "__module__", None) or ""
+        if (self.overload.namespace not in ("aten", "prims")
+                or not module.startswith(("torchtpu.", "torch.", "jax."))):
+            return None
+        return executables.stable((str(self.overload), key))
 
     def _build(self, vals, buffers, scalars, device):
         overlap.check(self, vals, resized=False)
@@ -460,7 +475,7 @@ class OpKernel:
             return outs, [new_arrays[j] for j in compiled.writes], [c for c, _, _ in checks]
 
         compiled.run = run
-        compiled.fn = run if low.eager else jax.jit(run)
+        compiled.fn = run  # jitted by _compile once the key is known, eager ops stay as they are
         if modes.fused and not low.eager and write_targets and all(b.dtype is not None for b in buffers):
             # Fused mode traces an op when its segment runs; an in-place or out= op is traced
             # abstractly here once, so that an input JAX refuses raises at the call, before the
@@ -590,6 +605,12 @@ class OpKernel:
                 for o in outs]
             compiled.wrap_specs = _wrap_specs(compiled.out_specs)
         return self._commit(compiled, vals, outs, updated, buffers, device)
+
+
+def _restorer(check_info):
+    def restore(saved):
+        check_info[:] = saved
+    return restore
 
 
 # Errors the lowerings raise as PyTorch does; anything else a lowering raises comes from JAX

@@ -1,0 +1,231 @@
+"""TorchTPU's own persistent executables (issue 14): a process finding another's cache builds
+nothing (no trace, no lowering, no XLA) and computes the same bits; a damaged, foreign or
+other-version entry is rebuilt; processes share the directory; the metrics say where compile
+time went and which programs were built more than once."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import torchtpu
+from torchtpu._core import metrics
+from torchtpu._execution import executables
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A small training step (forward, cross-entropy, backward, AdamW) for 3 steps; prints the
+# metrics that matter and saves the losses and parameters.
+STEP = r"""
+import os, sys, jax, numpy as np, torch, torchtpu
+from torchtpu._execution import executables
+if os.environ.get("JAX_CACHES_EVERYTHING"):
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+mode, out = sys.argv[1], sys.argv[2]
+if len(sys.argv) > 3:
+    torchtpu.__version__ = sys.argv[3]  # what another release would be
+torch.tpu.eager_mode = "fused" if mode == "fused" else "strict"
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).to("tpu")
+opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+x, y = torch.randn(8, 16).to("tpu"), torch.randint(0, 4, (8,)).to("tpu")
+def step():
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(m(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+if mode == "compiled":
+    step = torch.compile(step, backend="tpu")
+losses = [step().detach() for _ in range(3)]
+np.save(out, np.concatenate([t.detach().cpu().numpy().ravel() for t in losses + list(m.parameters())]))
+executables.wait_for_writes()
+c = torchtpu.metrics()
+print("METRICS", *(c.get(k, 0) for k in ("executables_compiled", "executables_loaded",
+                                          "executable_cache_rejected", "persistent_cache_rejected")))
+"""
+
+
+def _start(tmp_path, mode, name, cache_dir=None, version=None):
+    env = {**os.environ, "TORCHTPU_CACHE_DIR": str(cache_dir or tmp_path / "cache"),
+           "PYTHONPATH": ROOT}
+    args = [sys.executable, "-c", STEP, mode, str(tmp_path / f"{name}.npy")]
+    return subprocess.Popen(args + ([version] if version else []), env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc):
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    compiled, loaded, rejected, store_rejected = map(int, out.split("METRICS")[1].split())
+    return {"compiled": compiled, "loaded": loaded, "rejected": rejected + store_rejected,
+            "warnings": err}
+
+
+def _step(tmp_path, mode, name, **kw):
+    return _finish(_start(tmp_path, mode, name, **kw))
+
+
+def _bits(tmp_path, name):
+    return np.load(tmp_path / f"{name}.npy").tobytes()
+
+
+def _reference():
+    """The same 3 steps on the CPU."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(m(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return np.concatenate([t.detach().numpy().ravel() for t in losses + list(m.parameters())])
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused", "compiled"])
+def test_a_warm_process_builds_nothing_and_computes_the_same_bits(tmp_path, mode):
+    cold = _step(tmp_path, mode, "cold")
+    assert cold["compiled"] > 0 and cold["loaded"] == 0
+    warm = _step(tmp_path, mode, "warm")
+    assert warm["compiled"] == 0 and warm["loaded"] == cold["compiled"] and warm["rejected"] == 0
+    assert _bits(tmp_path, "cold") == _bits(tmp_path, "warm")
+    np.testing.assert_allclose(np.load(tmp_path / "warm.npy"), _reference(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("damage", ["garbled", "truncated", "swapped"])
+def test_a_damaged_entry_is_rebuilt_never_loaded(tmp_path, damage):
+    cold = _step(tmp_path, "strict", "cold")
+    entries = sorted((tmp_path / "cache").glob("*.entry"))
+    assert entries
+    if damage == "garbled":
+        for p in entries:
+            p.write_bytes(os.urandom(p.stat().st_size))
+    elif damage == "truncated":
+        for p in entries:
+            p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+    else:  # every entry holds another entry's program (its header names the other key)
+        contents = [p.read_bytes() for p in entries]
+        for p, data in zip(entries, contents[1:] + contents[:1]):
+            p.write_bytes(data)
+    damaged = _step(tmp_path, "strict", "damaged")
+    assert damaged["rejected"] >= len(entries) - 1 and damaged["compiled"] == cold["compiled"]
+    assert _bits(tmp_path, "damaged") == _bits(tmp_path, "cold")
+    # The rebuilt entries were written again: the next process loads them all.
+    again = _step(tmp_path, "strict", "again")
+    assert again["compiled"] == 0 and again["rejected"] == 0
+    assert _bits(tmp_path, "again") == _bits(tmp_path, "cold")
+
+
+def test_jax_never_serves_our_programs(tmp_path, monkeypatch):
+    """XLA:CPU loses functions when it serializes an executable it deserialized: an entry of
+    ours made from a program JAX's own cache served would fail to run in the next process.
+    Here JAX's cache keeps every program, ours are deleted, and the next two processes must
+    still compute the same bits (the second loading what the first wrote)."""
+    monkeypatch.setenv("JAX_CACHES_EVERYTHING", "1")
+    _step(tmp_path, "fused", "cold")
+    ours = [p for p in (tmp_path / "cache").glob("*.entry") if b'"key": "torchtpu-' in p.read_bytes()[:400]]
+    assert ours
+    for p in ours:
+        p.unlink()
+    rebuilt = _step(tmp_path, "fused", "rebuilt")
+    assert rebuilt["compiled"] > 0
+    loaded = _step(tmp_path, "fused", "loaded")
+    assert loaded["compiled"] == 0 and loaded["loaded"] > 0
+    assert _bits(tmp_path, "cold") == _bits(tmp_path, "rebuilt") == _bits(tmp_path, "loaded")
+
+
+def test_an_unusable_directory_turns_the_cache_off_with_a_warning(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    first = _step(tmp_path, "strict", "first", cache_dir=blocker / "cache")
+    assert "is not used because it cannot be created" in first["warnings"]
+    second = _step(tmp_path, "strict", "second", cache_dir=blocker / "cache")
+    assert first["compiled"] == second["compiled"] > 0 and second["loaded"] == 0
+    assert _bits(tmp_path, "first") == _bits(tmp_path, "second")
+
+
+def test_two_processes_at_once_share_the_directory(tmp_path):
+    procs = [_start(tmp_path, "fused", f"cold{i}") for i in range(2)]
+    results = [_finish(p) for p in procs]
+    assert all(r["compiled"] > 0 and r["rejected"] == 0 for r in results)
+    warm = _step(tmp_path, "fused", "warm")
+    assert warm["compiled"] == 0 and warm["rejected"] == 0
+    assert _bits(tmp_path, "cold0") == _bits(tmp_path, "cold1") == _bits(tmp_path, "warm")
+    assert not list((tmp_path / "cache").glob(".tmp-*"))  # no half-written entry left behind
+
+
+def test_another_version_builds_its_own_executables(tmp_path):
+    _step(tmp_path, "strict", "old", version="0.0.1")
+    new = _step(tmp_path, "strict", "new", version="0.0.2")
+    assert new["loaded"] == 0 and new["compiled"] > 0
+    assert _bits(tmp_path, "old") == _bits(tmp_path, "new")
+
+
+SUM = r"""
+import sys, torch, torchtpu
+x = torch.arange(16.).reshape(4, 4)
+print("RESULT", x.to("tpu").sum(int(sys.argv[1])).cpu().tolist() == x.sum(int(sys.argv[1])).tolist())
+"""
+
+
+def test_a_static_argument_is_part_of_the_key(tmp_path):
+    """sum over dim 0 and over dim 1 of a square matrix: the same op and layouts, another
+    program; the second process must not load the first one's."""
+    env = {**os.environ, "TORCHTPU_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": ROOT}
+    for dim in ("0", "1", "0"):
+        out = subprocess.run([sys.executable, "-c", SUM, dim], env=env, cwd=ROOT, check=True,
+                             capture_output=True, text=True).stdout
+        assert "RESULT True" in out
+
+
+def test_a_lowering_from_outside_torchtpu_is_never_stored():
+    """A user's jax_op can change between runs with no version saying so."""
+    @torch.tpu.pallas.jax_op
+    def plus_two(x):
+        return x + 2
+
+    x = torch.ones(3, device="tpu")
+    assert plus_two(x).cpu().tolist() == [3.0] * 3
+    (x + 1).cpu()
+    keys = {str(k.overload): [c.fn.key for c in k.cache.values()] for k in _kernels() if k.cache}
+    (mine,) = [name for name in keys if name.startswith("torchtpu_jax.plus_two")]
+    assert keys[mine] == [None]
+    assert keys["aten.add.Tensor"] and all(k is not None for k in keys["aten.add.Tensor"])
+
+
+def _kernels():
+    import gc
+    from torchtpu._execution.op_kernel import OpKernel
+    return [o for o in gc.get_objects() if type(o) is OpKernel]
+
+
+def test_an_unstable_key_is_never_stored():
+    assert executables.stable((1, torch.float32, "a")) == "(1, torch.float32, 'a')"
+    assert executables.stable((1, object())) is None
+
+
+@pytest.mark.parametrize("eager_mode", ["strict", "fused"], indirect=True)
+def test_the_report_splits_compile_time_and_names_rebuilt_programs(eager_mode):
+    torchtpu.clear_caches()
+    metrics.reset()
+    for n in (3, 5):
+        a = torch.arange(float(n), device="tpu")
+        (a * 2 + 1).exp().cpu()
+    counters = torchtpu.metrics()
+    assert counters["executables_compiled"] + counters.get("executables_loaded", 0) >= 2
+    built = counters["executables_compiled"] > 0
+    assert not built or counters["xla_compile_seconds"] > 0 and counters["trace_seconds"] > 0
+    report = torchtpu.metrics_report()
+    assert "Executables built more than once" in report
+    rebuilt = metrics.rebuilt()
+    if eager_mode == "strict":
+        n, shapes = rebuilt["aten.exp.default"]
+        assert n == 2 and any("[3]" in s for s in shapes) and any("[5]" in s for s in shapes)
+    else:
+        assert any(name.startswith("segment of") for name in rebuilt)

@@ -1,0 +1,264 @@
+"""Executables that a later process loads instead of building: no trace, no lowering, no XLA.
+
+Every path compiles through `Executable`, a `jax.jit` that keeps one executable per argument
+signature: strict eager's per-op executables (`op_kernel`), fused segments and compiled graphs
+(`fused.Segment`).  On a miss in memory it looks in the persistent store (`_core/store.py`,
+installed by `_compile/cache.enable()`) under a key made of
+  - what the caller keys the program on in memory (an op: its overload, static arguments and
+    input layouts; a segment: its ops' keys, wiring and outputs, and the donated inputs),
+  - the argument signature (shapes, dtypes, weak types, placement of every array),
+  - `fingerprint()`: torch/jax/jaxlib/torchtpu versions, a digest of torchtpu's own source (a
+    lowering edited without a version bump is another program), platform, device kind, JAX's
+    configuration (x64, matmul precision, ...), XLA_FLAGS and TORCHTPU_* settings;
+a key that names an unstable value (an object's address) is never stored.  An entry holds the
+serialized executable and what its trace would have told (an op's index-check messages).  A
+missing, corrupt, foreign or unloadable entry is a miss: the program is built as usual and
+the entry rewritten.  Entries are written by a background thread, so a first run does not wait
+for its disk; one file per executable (a GPT step's ~80 per-op entries take ~8 KB each and
+load in ~1 ms, so packing them would not pay).
+
+`torchtpu.metrics()` splits the time: trace_seconds, lower_seconds, xla_compile_seconds and
+cache_load_seconds, with executables_compiled / executables_loaded; `metrics.builds` keeps,
+per program, the signatures it was built for, which the report lists for those built twice.
+"""
+import concurrent.futures
+import hashlib
+import os
+import pickle
+import sys
+import threading
+import time
+
+import jax
+import torch
+
+from .._core import metrics
+
+_FORMAT = 1
+_store = None
+_static = None
+_writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torchtpu-cache-writer")
+# Settings that only say where or how much to cache: they do not change a program.
+_NOT_PROGRAM = ("TORCHTPU_CACHE_DIR", "TORCHTPU_CACHE_MAX_BYTES", "TORCHTPU_METRICS",
+                "TORCHTPU_COMPILE_WORKERS")
+
+
+_local = threading.local()
+
+
+def compiling_ours():
+    """Whether this thread is compiling an Executable's program.  JAX's own persistent cache
+    must then neither serve it nor store it: XLA:CPU drops functions when it serializes an
+    executable that it deserialized (the entry we would write from JAX's copy fails to run
+    with "Function ... not found"), and an entry of ours already holds the program."""
+    return getattr(_local, "ours", False)
+
+
+def use_store(store):
+    """Keep executables in `store` (a PrivateCache), or nowhere (None)."""
+    global _store
+    _store = store
+
+
+def _source_digest():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the torchtpu package
+    h = hashlib.sha256()
+    for folder, subfolders, files in os.walk(root):
+        subfolders.sort()
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                h.update(os.path.relpath(path, root).encode() + b"\0")
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()
+
+
+def fingerprint():
+    """What, besides its own key, decides the program an executable is (see the docstring)."""
+    global _static
+    if _static is None:
+        import jaxlib
+        devices = jax.devices()
+        env = sorted((k, v) for k, v in os.environ.items()
+                     if (k.startswith("TORCHTPU_") and k not in _NOT_PROGRAM)
+                     or k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JAX_PLATFORMS"))
+        _static = repr((
+            _FORMAT, sys.version_info[:2], torch.__version__, jax.__version__, jaxlib.__version__,
+            getattr(sys.modules.get("torchtpu"), "__version__", None), _source_digest(),
+            devices[0].platform, devices[0].client.platform_version,
+            [(d.id, d.device_kind) for d in devices], jax.process_count(), env))
+    # Settings that can change at any time (jax.config.update, context managers, torch's
+    # defaults that some lowerings read while tracing).
+    flags = sorted((name, repr(holder.value)) for name, holder in jax.config._value_holders.items()
+                   if "cache" not in name and "log" not in name)
+    return _static + repr((flags, torch.get_default_dtype(), torch.get_float32_matmul_precision(),
+                           torch.get_num_threads()))
+
+
+def stable(value):
+    """`repr(value)` when it names the value the same way in every process, else None."""
+    text = repr(value)
+    return None if " at 0x" in text or "object at" in text else text
+
+
+def _leaf_signature(x):
+    if isinstance(x, jax.Array):
+        return (tuple(x.shape), str(x.dtype), x.aval.weak_type, repr(x.sharding))
+    if hasattr(x, "shape") and hasattr(x, "dtype"):  # numpy
+        return (type(x).__name__, tuple(x.shape), str(x.dtype))
+    return type(x).__name__
+
+
+def signature(args):
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    return (str(tree), tuple(_leaf_signature(x) for x in leaves))
+
+
+class Executable:
+    """`jax.jit(fn, **options)` built once per argument signature, or loaded from the store.
+
+    `key`: a stable text naming the program apart from its arguments (None: never stored);
+    `name`: what the metrics call it; `describe`: the signature in words, for the rebuild
+    report; `traced`: (save, restore) of what tracing learns besides the program (an op's
+    index-check messages): save() is stored with the entry, restore(value) runs on a load."""
+
+    __slots__ = ("jitted", "key", "name", "describe", "traced", "first", "built", "lock")
+
+    def __init__(self, fn, key, name, describe=None, traced=None, **options):
+        self.jitted = jax.jit(fn, **options)
+        self.key = key
+        self.name = name
+        self.describe = describe
+        self.traced = traced
+        self.first = None  # the executable of the first signature: the call's fast path
+        self.built = {}    # signature -> jax.stages.Compiled
+        self.lock = threading.Lock()
+
+    def __call__(self, *args):
+        first = self.first
+        if first is not None:
+            try:
+                return first(*args)
+            except TypeError:
+                # Arguments of another signature (refused before running anything); a real
+                # TypeError is raised again by the same executable below.
+                pass
+        return self.prepare(*args)(*args)
+
+    def has(self, *args):
+        return signature(args) in self.built
+
+    def prepare(self, *args):
+        """The executable for these arguments' signature, built or loaded if new."""
+        sig = signature(args)
+        compiled = self.built.get(sig)
+        if compiled is None:
+            with self.lock:
+                compiled = self.built.get(sig)
+                if compiled is None:
+                    compiled = self._build(args, sig)
+                    self.built[sig] = compiled
+                    if self.first is None:
+                        self.first = compiled
+        return compiled
+
+    def _build(self, args, sig):
+        entry_key = None
+        if _store is not None and self.key is not None:
+            digest = hashlib.sha256(f"{fingerprint()}\n{self.key}\n{sig!r}".encode()).hexdigest()
+            entry_key = f"torchtpu-{self.name.split('(')[0][:40]}-{digest}"
+            compiled = self._load(entry_key)
+            if compiled is not None:
+                self._note_build(sig, loaded=True)
+                return compiled
+        counters = metrics.counters
+        t0 = time.perf_counter()
+        traced = self.jitted.trace(*args)
+        t1 = time.perf_counter()
+        lowered = traced.lower()
+        t2 = time.perf_counter()
+        _local.ours = True
+        try:
+            compiled = lowered.compile()
+        finally:
+            _local.ours = False
+        t3 = time.perf_counter()
+        counters["trace_seconds"] += t1 - t0
+        counters["lower_seconds"] += t2 - t1
+        counters["xla_compile_seconds"] += t3 - t2
+        counters["executables_compiled"] += 1
+        self._note_build(sig, loaded=False)
+        if entry_key is not None:
+            extra = None if self.traced is None else self.traced[0]()
+            _writer.submit(_save, _store, entry_key, compiled, extra)
+        return compiled
+
+    def _load(self, entry_key):
+        counters = metrics.counters
+        start = time.perf_counter()
+        data = _store.get(entry_key)
+        if data is None:
+            counters["executable_cache_misses"] += 1
+            return None
+        try:
+            fmt, payload, in_tree, out_tree, extra = pickle.loads(data)
+            if fmt != _FORMAT:
+                raise ValueError(f"entry format {fmt}")
+            from jax.experimental import serialize_executable
+            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        except Exception:  # noqa: BLE001 - an entry that does not load is rebuilt, whatever broke
+            counters["executable_cache_rejected"] += 1
+            return None
+        if self.traced is not None:
+            self.traced[1](extra)
+        counters["executables_loaded"] += 1
+        counters["cache_load_seconds"] += time.perf_counter() - start
+        return compiled
+
+    def _note_build(self, sig, loaded):
+        what = self.describe() if self.describe is not None else _describe_signature(sig)
+        metrics.note_build(self.name, what + (" (loaded)" if loaded else ""))
+
+
+def _describe_signature(sig):
+    return " ".join(f"{s[1]}{list(s[0])}" if isinstance(s, tuple) and len(s) == 4 else str(s)
+                    for s in sig[1])
+
+
+def _save(store, entry_key, compiled, extra):
+    try:
+        from jax.experimental import serialize_executable
+        payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+        data = pickle.dumps((_FORMAT, payload, in_tree, out_tree, extra))
+        store.put(entry_key, data)
+    except Exception:  # noqa: BLE001 - not every executable serializes; it is then not kept
+        metrics.counters["executable_cache_unsaved"] += 1
+
+
+def _fact_key(name, key):
+    return f"torchtpu-fact-{name}-" + hashlib.sha256(f"{fingerprint()}\n{key}".encode()).hexdigest()
+
+
+def recall(name, key):
+    """A small value noted about a program named by `key` (from tracing it, or which variants
+    of it were built), by this or an earlier process; None if not known."""
+    if _store is None or key is None:
+        return None
+    data = _store.get(_fact_key(name, key))
+    if data is not None:
+        try:
+            return pickle.loads(data)
+        except Exception:  # noqa: BLE001 - an unreadable entry is a miss
+            metrics.counters["executable_cache_rejected"] += 1
+    return None
+
+
+def remember(name, key, value):
+    if _store is not None and key is not None:
+        _writer.submit(_store.put, _fact_key(name, key), pickle.dumps(value))
+
+
+def wait_for_writes():
+    """Block until every entry queued so far is written (tests, benchmarks)."""
+    _writer.submit(lambda: None).result()
