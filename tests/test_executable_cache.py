@@ -229,3 +229,33 @@ def test_the_report_splits_compile_time_and_names_rebuilt_programs(eager_mode):
         assert n == 2 and any("[3]" in s for s in shapes) and any("[5]" in s for s in shapes)
     else:
         assert any(name.startswith("segment of") for name in rebuilt)
+
+
+ON_DEVICE_2 = r"""
+import sys, numpy as np, torch, torchtpu
+from torchtpu._execution import executables
+x = torch.arange(12.).view(3, 4).to("tpu:2")
+y = (x * 2 + 1).sum(0)[1:]
+assert y.device == torch.device("tpu:2"), y.device
+print("RESULT", y.cpu().numpy().tolist(), y.to("tpu:0").cpu().numpy().tolist())
+executables.wait_for_writes()
+c = torchtpu.metrics()
+print("METRICS", c.get("executables_compiled", 0), c.get("executables_loaded", 0))
+"""
+
+
+def test_an_executable_is_loaded_onto_the_device_it_was_built_for(tmp_path):
+    # A host with 4 devices, the program on tpu:2: a loaded executable must run there and
+    # give arrays that other programs (the copy to tpu:0, a slice) accept.
+    env = {**os.environ, "TORCHTPU_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": ROOT,
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    runs = [subprocess.run([sys.executable, "-c", ON_DEVICE_2], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=600) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    (cold, cold_metrics), (warm, warm_metrics) = (
+        (r.stdout.split("RESULT")[1].split("METRICS")[0].strip(),
+         list(map(int, r.stdout.split("METRICS")[1].split()))) for r in runs)
+    expected = ((torch.arange(12.).view(3, 4) * 2 + 1).sum(0)[1:]).tolist()
+    assert cold == warm == f"{expected} {expected}"
+    assert warm_metrics[1] > 0 and warm_metrics[0] < cold_metrics[0]

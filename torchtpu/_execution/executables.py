@@ -34,7 +34,7 @@ import torch
 
 from .._core import metrics
 
-_FORMAT = 1
+_FORMAT = 2
 _store = None
 _static = None
 _writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torchtpu-cache-writer")
@@ -202,11 +202,17 @@ class Executable:
             counters["executable_cache_misses"] += 1
             return None
         try:
-            fmt, payload, in_tree, out_tree, extra = pickle.loads(data)
+            fmt, payload, in_tree, out_tree, extra, device_ids = pickle.loads(data)
             if fmt != _FORMAT:
                 raise ValueError(f"entry format {fmt}")
+            # Loaded for the devices it was built for: by default JAX loads an executable
+            # onto every device of the backend, which mismatches its single-device inputs
+            # ("Expected args ... to have 4 shards") and, across processes, gives arrays that
+            # no other program accepts.
+            by_id = {d.id: d for d in jax.devices()}
             from jax.experimental import serialize_executable
-            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            compiled = serialize_executable.deserialize_and_load(
+                payload, in_tree, out_tree, execution_devices=[by_id[i] for i in device_ids])
         except Exception:  # noqa: BLE001 - an entry that does not load is rebuilt, whatever broke
             counters["executable_cache_rejected"] += 1
             return None
@@ -230,7 +236,8 @@ def _save(store, entry_key, compiled, extra):
     try:
         from jax.experimental import serialize_executable
         payload, in_tree, out_tree = serialize_executable.serialize(compiled)
-        data = pickle.dumps((_FORMAT, payload, in_tree, out_tree, extra))
+        device_ids = [d.id for d in compiled._executable._unloaded_executable.device_list]
+        data = pickle.dumps((_FORMAT, payload, in_tree, out_tree, extra, device_ids))
         store.put(entry_key, data)
     except Exception:  # noqa: BLE001 - not every executable serializes; it is then not kept
         metrics.counters["executable_cache_unsaved"] += 1
