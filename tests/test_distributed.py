@@ -78,6 +78,14 @@ def test_collectives_match_gloo(world):
     assert_passed(launch("collectives", world), "collectives")
 
 
+def test_a_warm_executable_cache_serves_every_rank(tmp_path):
+    # The second job loads what the first stored; each rank must get programs for its own
+    # device (a rank loading another's entry, or one loaded onto every device, broke here).
+    env = {"TORCHTPU_CACHE_DIR": str(tmp_path / "cache")}
+    for _ in range(2):
+        assert_passed(launch("collectives", 2, env=env), "collectives")
+
+
 def test_each_rank_on_tpu_local_rank_of_a_shared_host():
     # Processes that see every device of the host, each using torch.tpu.set_device(LOCAL_RANK).
     assert_passed(launch("dtensor", 2, devices_per_process=2), "dtensor")

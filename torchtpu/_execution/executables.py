@@ -87,7 +87,10 @@ def fingerprint():
             _FORMAT, sys.version_info[:2], torch.__version__, jax.__version__, jaxlib.__version__,
             getattr(sys.modules.get("torchtpu"), "__version__", None), _source_digest(),
             devices[0].platform, devices[0].client.platform_version,
-            [(d.id, d.device_kind) for d in devices], jax.process_count(), env))
+            [(d.id, d.device_kind) for d in devices], jax.process_count(),
+            # this process's devices: a program whose inputs do not name a device runs on
+            # the first of them, which differs between the processes of one job
+            [d.id for d in jax.local_devices()], env))
     # Settings that can change at any time (jax.config.update, context managers, torch's
     # defaults that some lowerings read while tracing).
     flags = sorted((name, repr(holder.value)) for name, holder in jax.config._value_holders.items()
@@ -140,9 +143,10 @@ class Executable:
         if first is not None:
             try:
                 return first(*args)
-            except TypeError:
-                # Arguments of another signature (refused before running anything); a real
-                # TypeError is raised again by the same executable below.
+            except (TypeError, ValueError):
+                # Arguments of another signature (refused before running anything: another
+                # shape is a TypeError, another device a ValueError); a real error is raised
+                # again by the same executable below.
                 pass
         return self.prepare(*args)(*args)
 
