@@ -17,6 +17,7 @@ import torch
 from .._core import storage
 from .._execution import bounded, fused, sync
 from .._core import metrics
+from .._execution import debug
 from .._execution.debug import describe_key
 from .._execution.random import next_key_parts
 from .._core import registry
@@ -187,9 +188,8 @@ class Captured:
             metrics.counters["compile_seconds"] += time.perf_counter() - start
         else:
             metrics.counters["graph_cache_hits"] += 1
-        failed = fused._first_failed_check(checks)
-        if failed is not None:
-            self._raise_failed_check(failed, checks[failed])
+        if any(checks):
+            sync.defer(checks, self._check_error)
         for j, r in self.mutations:
             buffers[j]._array = results[r]
         if results:
@@ -222,13 +222,19 @@ class Captured:
                 outs.append(t)
         return outs if self.returns_sequence else outs[0]
 
-    def _raise_failed_check(self, i, op_checks):
+    def _check_error(self, values):
+        """The deferred error of a run's checks (sync.defer): its first failed op's."""
+        i = fused._first_failed_check(values)
+        if i is None:
+            return None
         compiled = self.signature[i][0]
-        kernel, _ = self.where[i]
-        for ok, (exc_type, message) in zip(jax.device_get(op_checks), compiled.check_info):
+        kernel, where = self.where[i]
+        for ok, (exc_type, message) in zip(values[i], compiled.check_info):
             if not bool(ok):
-                raise exc_type(f"{message}\n  [torchtpu] raised by {kernel.overload}"
-                               f"({describe_key(compiled.key)}) in compiled graph {self.name}")
+                return debug.attributed(
+                    exc_type(message), kernel.overload, describe_key(compiled.key), where,
+                    note=f"\n  (in compiled graph {self.name}; a device-side check, read when the "
+                         "host next waited)")
 
 
 class CompiledGraph:
@@ -245,7 +251,9 @@ class CompiledGraph:
     def __call__(self, *args):
         # AOTAutograd calls forward graphs boxed (one list) and backward graphs unboxed.
         args = list(args[0]) if len(args) == 1 and isinstance(args[0], list) else list(args)
-        if self.eager:
+        if self.eager or fused.capturing():
+            # In a torch.tpu graph capture (a whole compiled step, step.py) its ops are recorded
+            # into the capture's trace.
             return self.gm(*args)
         key, buffers = layout_key(args)
         if not self.variants and _host_nodes(self.gm):

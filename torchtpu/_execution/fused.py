@@ -264,7 +264,9 @@ def _flush(tr, reason, op):
             try:
                 with metrics.span(f"torchtpu::flush ({reason})"):
                     results, checks = segment.run(tr.ext_arrays, donate, packed)
-                failed = _first_failed_check(checks)
+                failed = None
+                if any(checks):
+                    sync.defer(checks, _check_error(tr, reason))
             except Exception:
                 failed = -1
             if compiling:
@@ -447,6 +449,25 @@ def _first_failed_check(checks):
         if op_checks and not all(bool(c) for c in op_checks):
             return i
     return None
+
+
+def _check_error(tr, reason):
+    """The deferred error of a segment's checks (sync.defer): its first failed op's."""
+    signature, where = list(tr.signature), list(tr.where)
+
+    def error(values):
+        i = _first_failed_check(values)
+        if i is None:
+            return None
+        compiled = signature[i][0]
+        kernel, line = where[i]
+        for ok, (exc_type, message) in zip(values[i], compiled.check_info):
+            if not bool(ok):
+                return debug.attributed(
+                    exc_type(message), kernel.overload, debug.describe_key(compiled.key), line,
+                    note=f"\n  (a device-side check of a fused op, read when the host next waited; "
+                         f"its segment ran because of {reason})")
+    return error
 
 
 def note_resized(layouts):
