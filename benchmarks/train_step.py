@@ -113,6 +113,8 @@ def main():
                     help="graph mode: time graph replay and the JAX step alternately this often")
     ap.add_argument("--mode", default="strict,fused,compile",
                     help="comma list of strict, fused, debug, compile, graph, onestep")
+    ap.add_argument("--no-inductor", action="store_true",
+                    help="with compile: skip torch.compile (inductor) on the CPU, which takes minutes")
     ap.add_argument("--small", action="store_true",
                     help="run the small GPT (2 layers, d_model 128, seq 64) first, in the same process")
     a = ap.parse_args()
@@ -181,7 +183,7 @@ def run(a):
             print(f"  [{name}: {ms:.1f} ms/step, first step {warmup:.1f} s]", flush=True)
 
     t_inductor = None
-    if "compile" in results:
+    if "compile" in results and not a.no_inductor:
         torch._dynamo.reset()
         ind_model = copy.deepcopy(model)
         t0 = time.perf_counter()
