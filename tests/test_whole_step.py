@@ -1,5 +1,6 @@
 """No host stalls in a steady step: device-side checks read at the next wait of the host, and a
 compiled training step replayed as one executable (torch.compile mode="reduce-overhead")."""
+import contextlib
 import copy
 import inspect
 
@@ -99,47 +100,21 @@ def test_compiled_step_is_one_executable_with_eager_losses_and_no_waits():
     # rounding noise only, which AdamW scales up to the learning rate on either device.)
 
 
-def test_compiled_step_lr_schedule_right_values_no_recompiles():
+def eager_and_compiled(make_opt, n, before_step):
+    """Losses of `n` steps of a small GPT on the CPU (eager) and compiled on tpu (one
+    executable), from the same weights and batches; `before_step(i, device, opt)` may return
+    a context for step i (and change the optimizer).  Then the parameters must agree."""
     cpu = GPT(64, 32, 2, 1, 16)
     tpu = copy.deepcopy(cpu).to("tpu")
-    runs, batches = [], data(7)
+    runs, batches = [], data(n)
     for model, device in ((cpu, "cpu"), (tpu, "tpu")):
-        # A tensor lr is read at each replay; the scheduler writes it in place.
-        opt = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.2, device=device),
-                              momentum=0.9)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+        opt = make_opt(model, device)
         step = gpt_step(model, opt)
         if device == "tpu":
             step = torch.compile(step, backend="tpu", mode="reduce-overhead")
         losses = []
         for i, (x, y) in enumerate(batches):
-            if i == 4:
-                before = torchtpu.metrics()
-            losses.append(step(x.to(device), y.to(device)).item())
-            sched.step()
-        runs.append(losses)
-    assert sum(delta(before, *_COMPILES).values()) == 0
-    assert delta(before, "tpu_graph_replays")["tpu_graph_replays"] == 3
-    torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=1e-5)
-    for p, q in zip(tpu.parameters(), cpu.parameters()):
-        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-4, atol=1e-5)
-
-
-def test_compiled_step_with_a_python_lr_that_changes_falls_back_with_right_values():
-    cpu = GPT(64, 32, 2, 1, 16)
-    tpu = copy.deepcopy(cpu).to("tpu")
-    runs, batches = [], data(5)
-    for model, device in ((cpu, "cpu"), (tpu, "tpu")):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        step = gpt_step(model, opt)
-        if device == "tpu":
-            step = torch.compile(step, backend="tpu", mode="reduce-overhead")
-        losses = []
-        for i, (x, y) in enumerate(batches):
-            if i == 4:
-                opt.param_groups[0]["lr"] = 0.05
-            with pytest.warns(UserWarning, match="baked into the graph") if (
-                    device == "tpu" and i == 4) else _nothing():
+            with before_step(i, device, opt) or contextlib.nullcontext():
                 losses.append(step(x.to(device), y.to(device)).item())
         runs.append(losses)
     torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=1e-5)
@@ -147,12 +122,35 @@ def test_compiled_step_with_a_python_lr_that_changes_falls_back_with_right_value
         torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-4, atol=1e-5)
 
 
-class _nothing:
-    def __enter__(self):
-        return self
+def test_compiled_step_lr_schedule_right_values_no_recompiles():
+    scheds, counted = {}, {}
 
-    def __exit__(self, *exc):
-        return False
+    def make_opt(model, device):
+        # A tensor lr is read at each replay; the scheduler writes it in place.
+        opt = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.2, device=device), momentum=0.9)
+        scheds[device] = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+        return opt
+
+    def before_step(i, device, opt):
+        if i > 0:
+            scheds[device].step()
+        if i == 4 and device == "tpu":
+            counted["before"] = torchtpu.metrics()
+
+    eager_and_compiled(make_opt, 7, before_step)
+    assert sum(delta(counted["before"], *_COMPILES).values()) == 0
+    assert delta(counted["before"], "tpu_graph_replays")["tpu_graph_replays"] == 3
+
+
+def test_compiled_step_with_a_python_lr_that_changes_falls_back_with_right_values():
+    def before_step(i, device, opt):
+        if i == 4:
+            opt.param_groups[0]["lr"] = 0.05
+            if device == "tpu":
+                return pytest.warns(UserWarning, match="baked into the graph")
+
+    eager_and_compiled(lambda model, device: torch.optim.SGD(model.parameters(), lr=0.1), 5,
+                       before_step)
 
 
 def test_index_error_in_a_compiled_step_surfaces_at_item_and_leaves_parameters():
