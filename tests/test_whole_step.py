@@ -171,3 +171,21 @@ def test_index_error_in_a_compiled_step_surfaces_at_item_and_leaves_parameters()
     x[0, 0] = 1
     step(x.to("tpu"), y.to("tpu")).item()
     assert any(not torch.equal(p.detach().cpu(), b) for p, b in zip(model.parameters(), params))
+
+
+def test_compiled_module_whose_backward_runs_outside_keeps_running_graph_by_graph():
+    cpu = GPT(64, 32, 2, 1, 16)
+    tpu = copy.deepcopy(cpu).to("tpu")
+    compiled = torch.compile(tpu, backend="tpu", mode="reduce-overhead")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (cpu, tpu)]
+    for i, (x, y) in enumerate(data(4)):
+        for model, opt, device in ((cpu, opts[0], "cpu"), (compiled, opts[1], "tpu")):
+            with pytest.warns(UserWarning, match="require grad and runs no backward") if (
+                    device == "tpu" and i == 2) else contextlib.nullcontext():
+                logits = model(x.to(device))
+            loss = F.cross_entropy(logits.reshape(-1, 64), y.to(device).reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    for p, q in zip(tpu.parameters(), cpu.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-4, atol=1e-5)

@@ -50,7 +50,11 @@ class WholeStep:
             flat, spec = tree_flatten((args, kwargs))
         else:  # the common case, without pytree's cost (a third of a replay's Python)
             flat, spec = args, len(args)
-        key = _call_key(flat, spec)
+        try:
+            key = _call_key(flat, spec)
+            hash(key)
+        except TypeError:  # an unhashable argument: nothing to compare a capture against
+            return self._compiled(*args, **kwargs)
         step = self._steps.get(key, False)
         if step is False:
             seen = self._seen[key] = self._seen.get(key, 0) + 1
@@ -107,6 +111,9 @@ class _Captured:
         self.args = {id(a): i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)}
         created = {id(ref()) for ref, _ in g._outputs}
         outs, self.out_spec = tree_flatten(out)
+        if not g.ran_backward and any(isinstance(o, torch.Tensor) and o.requires_grad for o in outs):
+            # A forward whose backward runs outside: its results need their autograd graph.
+            raise _Fallback("it returns tensors that require grad and runs no backward pass")
         self.outputs = []  # per returned leaf: ("new", tensor) | ("arg", i) | ("same", value)
         for o in outs:
             if isinstance(o, torch.Tensor) and id(graph._buffer(o)) in created:

@@ -41,7 +41,7 @@ _EAGER_ROUNDING = {"xla_allow_excess_precision": False}
 
 class _Trace:
     __slots__ = ("device", "signature", "where", "ext_arrays", "ext_ids", "scalars", "pendings",
-                 "captured", "in_backward", "resized", "ext_buffers")
+                 "captured", "in_backward", "ran_backward", "resized", "ext_buffers")
 
     def __init__(self, device):
         self.device = device
@@ -53,6 +53,7 @@ class _Trace:
         self.pendings = []    # per slot
         self.captured = False  # taken over by torch.compile: never flushed
         self.in_backward = False  # recording the ops of a backward pass (the autograd engine's)
+        self.ran_backward = False  # it recorded one
         self.resized = {}  # op index -> the out= tensors it resized, with their old layouts
         # torch.tpu graphs: per external array, the storage it was read from (replay reads the
         # storage's value then); inputs are told apart by storage, not by array.
@@ -95,6 +96,7 @@ def _record(kernel, compiled, vals, buffers, scalars, device):
             flush(FlushReason.BACKWARD)
             tr = _trace = _Trace(device)
         tr.in_backward = not tr.in_backward
+        tr.ran_backward |= tr.in_backward
     # An input is either a slot produced earlier in this trace (>= 0) or an external array (< 0).
     wiring = []
     for b in buffers:

@@ -137,6 +137,7 @@ class TPUGraph:
         self._guarded = [r for r, _ in guarded]
         self._written = [k for _, k in guarded]
         self._signature, self._where = tuple(tr.signature), list(tr.where)
+        self.ran_backward = tr.ran_backward  # (a compiled step asks, step.py)
         types = tuple(map(type, tr.scalars))
         arrays, other = fused._pack_scalars(tr.scalars, types)
         self._packed_arrays, self._other = arrays, other

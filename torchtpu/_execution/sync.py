@@ -44,14 +44,10 @@ def _live(array):
 def synchronize(index=None):
     pending = [r() for r in _recent]
     _recent.clear()
-    waited = False
     for a in pending:
         if _live(a):
-            waited = True
             a.block_until_ready()
-    wait(counted=not waited)
-    if waited:
-        metrics.counters["blocking_waits"] += 1
+    wait()
 
 
 def pending():
@@ -75,11 +71,9 @@ def _ready(arrays):
     return all(a.is_ready() for a in jax.tree_util.tree_leaves(arrays))
 
 
-def wait(counted=True):
-    """The host waits here (it reads a value): raise the first failed deferred check.
-    `counted`: count a blocking wait in the metrics."""
-    if counted:
-        metrics.counters["blocking_waits"] += 1
+def wait():
+    """The host waits here (it reads a value; counted): raise the first failed deferred check."""
+    metrics.counters["blocking_waits"] += 1
     if not _checks and not _failed:
         return
     with _lock:
