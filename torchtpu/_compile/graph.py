@@ -11,14 +11,11 @@ import sys
 import time
 import warnings
 
-import jax
 import torch
 
 from .._core import storage
-from .._execution import bounded, fused, sync
+from .._execution import bounded, debug, fused, sync
 from .._core import metrics
-from .._execution import debug
-from .._execution.debug import describe_key
 from .._execution.random import next_key_parts
 from .._core import registry
 
@@ -227,14 +224,9 @@ class Captured:
         i = fused._first_failed_check(values)
         if i is None:
             return None
-        compiled = self.signature[i][0]
         kernel, where = self.where[i]
-        for ok, (exc_type, message) in zip(values[i], compiled.check_info):
-            if not bool(ok):
-                return debug.attributed(
-                    exc_type(message), kernel.overload, describe_key(compiled.key), where,
-                    note=f"\n  (in compiled graph {self.name}; a device-side check, read when the "
-                         "host next waited)")
+        return debug.failed_check(values[i], self.signature[i][0], kernel.overload, where,
+                                  f"in compiled graph {self.name}")
 
 
 class CompiledGraph:

@@ -24,7 +24,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._core import metrics, storage
-from .._execution import fused, graphs
+from .._execution import graphs
 from . import graph
 
 WARMUP = 2  # Dynamo-compiled calls before the capture: the first creates optimizer state

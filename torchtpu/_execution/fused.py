@@ -461,14 +461,9 @@ def _check_error(tr, reason):
         i = _first_failed_check(values)
         if i is None:
             return None
-        compiled = signature[i][0]
         kernel, line = where[i]
-        for ok, (exc_type, message) in zip(values[i], compiled.check_info):
-            if not bool(ok):
-                return debug.attributed(
-                    exc_type(message), kernel.overload, debug.describe_key(compiled.key), line,
-                    note=f"\n  (a device-side check of a fused op, read when the host next waited; "
-                         f"its segment ran because of {reason})")
+        return debug.failed_check(values[i], signature[i][0], kernel.overload, line,
+                                  f"a fused op; its segment ran because of {reason}")
     return error
 
 

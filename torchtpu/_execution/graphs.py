@@ -238,8 +238,9 @@ class TPUGraph:
         kernel, where = self._where[i]
         exc_type, message = compiled.check_info[j]
         return debug.attributed(exc_type(message), kernel.overload, debug.describe_key(compiled.key),
-                                where, note="\n  (a device-side check in a torch.tpu graph, read when the host "
-                                            "next waited; the replay changed no existing tensor)")
+                                where, note="\n  (a device-side check in a torch.tpu graph, read "
+                                            "when the host next waited; the replay changed no "
+                                            "existing tensor)")
 
     def reset(self):
         if self._trace is not None:

@@ -206,16 +206,8 @@ class OpKernel:
     def _defer_checks(self, compiled, checks):
         """Read `checks` at the next wait of the host, not now (sync.defer)."""
         where = debug.user_frame(3)
-
-        def error(values):
-            for ok, (exc_type, message) in zip(values, compiled.check_info):
-                if not bool(ok):
-                    return debug.attributed(
-                        exc_type(message), self.overload, debug.describe_key(compiled.key), where,
-                        note="\n  (a device-side check, read when the host next waited; the op's "
-                             "in-place targets kept their values)")
-            return None
-        sync.defer(checks, error)
+        sync.defer(checks, lambda values: debug.failed_check(
+            values, compiled, self.overload, where, "its in-place targets kept their values"))
 
     def _run_blocking(self, compiled, vals, arrays, scalars):
         """Debug eager: wait for the op, and name it, its inputs and the caller on failure."""
