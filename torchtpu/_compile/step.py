@@ -12,11 +12,12 @@ arguments' storages, checks what the capture baked in, and makes the returned te
 As with CUDA graphs under inductor's "reduce-overhead", Python in the step does not run at
 replay: Python numbers and control flow are those of the captured call.  What is checked at
 each call, falling back to the Dynamo-compiled step when it differs: the tensor arguments'
-layouts, the other arguments' values, grad mode, and the optimizers' Python hyperparameters
+layouts, the other arguments' values, grad mode, autocast, and the optimizers' Python hyperparameters
 (a Python-number lr that a scheduler changes runs the Dynamo path, which recompiles per value;
 a tpu tensor lr with capturable=True replays).  Parameters and optimizer state are read from
 their storages at each replay, so in-place updates outside the step (a scheduler's lr.fill_,
-`copy_` into a parameter) are seen.  Returned tensors the step creates are new at each call.
+`copy_` into a parameter, load_state_dict) are seen; a parameter replaced by another tensor
+(`p.data = t`) is not.  Returned tensors the step creates are new at each call.
 """
 import warnings
 
@@ -84,7 +85,8 @@ class WholeStep:
 
 
 def _call_key(flat, spec):
-    key = [spec, torch.is_grad_enabled()]
+    key = [spec, torch.is_grad_enabled(), torch.is_autocast_enabled("tpu"),
+           torch.get_autocast_dtype("tpu")]
     for a in flat:
         if isinstance(a, torch.Tensor):
             key.append(graph.layout_key([a])[0] + (a.requires_grad,))
