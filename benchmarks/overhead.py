@@ -1,6 +1,8 @@
 """Per-op overhead: a chain of small elementwise ops on tpu (strict eager, and the recording
 cost of fused eager, and a torch.tpu graph of the whole chain replayed) vs native torch CPU
-eager vs the same ops as cached jax.jit calls written directly in JAX, and as one jax.jit.
+eager vs the same ops as cached jax.jit calls written directly in JAX, and as one jax.jit;
+also the chain under torch.compile(backend="tpu") and mode="reduce-overhead" (one executable
+replayed), with the compilations and blocking waits of the host per steady run.
 
     python benchmarks/overhead.py [--ops 2000] [--size 64]
 """
@@ -86,6 +88,16 @@ def main():
         torch.tpu.synchronize()
         return y_static
 
+    compiled = torch.compile(lambda x: chain_torch(x, n), backend="tpu")
+    onestep = torch.compile(lambda x: chain_torch(x, n), backend="tpu", mode="reduce-overhead")
+
+    def run_compiled(fn):
+        def run():
+            y = fn(x_tpu)
+            torch.tpu.synchronize()
+            return y
+        return run
+
     whole = jax.jit(lambda x: chain_torch(x, n))  # the same Python, on JAX arrays
 
     def run_jax_whole():
@@ -93,6 +105,17 @@ def main():
 
     run_tpu(), run_jax(), chain_torch(x_cpu, n), run_fused_synced()  # warm-up: compile and cache
     run_graph(), run_jax_whole()
+    for _ in range(4):  # onestep: two Dynamo-compiled calls, the capture, a replay
+        run_compiled(compiled)(), run_compiled(onestep)()
+    steady = {}
+    for name, fn in (("compiled", compiled), ("onestep", onestep), ("graph", g.replay)):
+        before = torchtpu.metrics()
+        fn() if name == "graph" else fn(x_tpu)
+        after = torchtpu.metrics()
+        torch.tpu.synchronize()
+        steady[name] = [after.get(k, 0) - before.get(k, 0) for k in ("blocking_waits",)] + [
+            sum(after.get(k, 0) - before.get(k, 0) for k in
+                ("compiles", "segment_compiles", "graph_compiles", "tpu_graph_compiles"))]
     t_tpu = timed(run_tpu) / n * 1e6
     # Leaving the fused mode runs the recorded chain: time recording alone, then with the run.
     t_record = min(_recording_time(x_tpu, n) for _ in range(3)) / n * 1e6
@@ -101,6 +124,8 @@ def main():
     t_jax = timed(run_jax) / n * 1e6
     t_graph = timed(run_graph, 20) / n * 1e6
     t_whole = timed(run_jax_whole, 20) / n * 1e6
+    t_compiled = timed(run_compiled(compiled), 20) / n * 1e6
+    t_onestep = timed(run_compiled(onestep), 20) / n * 1e6
     torch.testing.assert_close(run_graph().cpu(), chain_torch(x_cpu, n), rtol=1e-4, atol=1e-5)
     assert torch.allclose(run_tpu().cpu(), chain_torch(x_cpu, n), rtol=1e-4, atol=1e-5)
     print(f"chain of {n} elementwise ops on {a.size}x{a.size} float32")
@@ -113,8 +138,13 @@ def main():
     print(f"  ratio tpu / jax.jit   : {t_tpu / t_jax:6.2f}x   (target <= 1.5x)")
     print(f"  ratio fused recording / torch CPU : {t_record / t_cpu:6.2f}x   (target <= 2x)")
     print(f"  ratio fused record+run / torch CPU: {t_fused / t_cpu:6.2f}x")
-    print(f"  graph replay      : {t_graph:8.3f} us/op   (the chain as one jax.jit: {t_whole:.3f} us/op,"
-          f" ratio {t_graph / t_whole:.2f}x)")
+    for label, t, name in (("graph replay      ", t_graph, "graph"),
+                           ("compiled          ", t_compiled, "compiled"),
+                           ("compiled 1-exe    ", t_onestep, "onestep")):
+        waits, compiles = steady[name]
+        print(f"  {label}: {t:8.3f} us/op   ({t / t_cpu:.3f}x torch CPU, {t / t_whole:.2f}x the chain "
+              f"as one jax.jit: {t_whole:.3f} us/op) [steady run: {compiles} compilations, "
+              f"{waits} blocking waits]")
 
 
 if __name__ == "__main__":

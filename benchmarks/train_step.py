@@ -11,6 +11,10 @@ persistent compilation cache is off here unless TORCHTPU_CACHE_DIR is set).
 with it, torch.compile (inductor) of the same step on the CPU is measured too.
 "graph" captures the step once into a torch.tpu graph (AdamW with capturable=True, after two
 eager warm-up steps) and times `g.replay()`.
+"onestep" is torch.compile(step, backend="tpu", mode="reduce-overhead"): the whole compiled
+step (AdamW as given, no capturable flag) replayed as one executable after two warm-up calls.
+Per mode it prints the host's time per step (dispatch, before waiting for the device), and the
+compilations and blocking waits of the host in one steady step (no .item() in it).
 """
 import argparse
 import copy
@@ -29,13 +33,15 @@ import torchtpu  # noqa: F401
 from torchtpu.examples.models import GPT
 
 
-def time_steps(step, n, sync):
+def time_steps(step, n, sync, host=None):
     step()
     step()
     sync()
     t0 = time.perf_counter()
     for _ in range(n):
         step()
+    if host is not None:  # the host's time alone: dispatch, before waiting for the device
+        host.append((time.perf_counter() - t0) / n * 1e3)
     sync()
     return (time.perf_counter() - t0) / n * 1e3
 
@@ -106,7 +112,9 @@ def main():
     ap.add_argument("--repeat", type=int, default=3,
                     help="graph mode: time graph replay and the JAX step alternately this often")
     ap.add_argument("--mode", default="strict,fused,compile",
-                    help="comma list of strict, fused, debug, compile, graph")
+                    help="comma list of strict, fused, debug, compile, graph, onestep")
+    ap.add_argument("--no-inductor", action="store_true",
+                    help="with compile: skip torch.compile (inductor) on the CPU, which takes minutes")
     ap.add_argument("--small", action="store_true",
                     help="run the small GPT (2 layers, d_model 128, seq 64) first, in the same process")
     a = ap.parse_args()
@@ -140,9 +148,10 @@ def run(a):
 
     modes = {"strict": torch.tpu.EagerMode.DEFER_NEVER, "fused": torch.tpu.EagerMode.DEFER_AND_FUSE,
              "debug": torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING,
-             "compile": torch.tpu.EagerMode.DEFER_NEVER, "graph": torch.tpu.EagerMode.DEFER_NEVER}
+             "compile": torch.tpu.EagerMode.DEFER_NEVER, "graph": torch.tpu.EagerMode.DEFER_NEVER,
+             "onestep": torch.tpu.EagerMode.DEFER_NEVER}
     counted = ("compiles", "segment_compiles", "graph_compiles", "graph_captures", "tpu_graph_compiles")
-    results = {}
+    results, replays = {}, {}
     for name in a.mode.split(","):
         torchtpu.clear_caches()
         torch._dynamo.reset()
@@ -155,22 +164,26 @@ def run(a):
                 step = graph_step(tpu_model, idx.to("tpu"), tgt.to("tpu"))
             if name == "compile":
                 step = torch.compile(step, backend="tpu")
+            if name == "onestep":
+                step = torch.compile(step, backend="tpu", mode="reduce-overhead")
             step()
             torch.tpu.synchronize()
             warmup = time.perf_counter() - t0
-            ms = time_steps(step, a.steps, torch.tpu.synchronize)
+            host = []
+            ms = time_steps(step, a.steps, torch.tpu.synchronize, host)
             before = torchtpu.metrics()
             step()
-            torch.tpu.synchronize()
             after = torchtpu.metrics()
+            torch.tpu.synchronize()
             new_compiles = sum(after.get(k, 0) - before.get(k, 0) for k in counted)
-            results[name] = (ms, warmup, new_compiles)
-            if name == "graph":
-                replay = step
+            waits = after.get("blocking_waits", 0) - before.get("blocking_waits", 0)
+            results[name] = (ms, warmup, new_compiles, waits, host[0])
+            if name in ("graph", "onestep"):
+                replays[name] = step
             print(f"  [{name}: {ms:.1f} ms/step, first step {warmup:.1f} s]", flush=True)
 
     t_inductor = None
-    if "compile" in results:
+    if "compile" in results and not a.no_inductor:
         torch._dynamo.reset()
         ind_model = copy.deepcopy(model)
         t0 = time.perf_counter()
@@ -196,10 +209,12 @@ def run(a):
     t_jax = time_steps(jstep, a.steps, lambda: state["loss"].block_until_ready())
 
     print(f"GPT {a.layers} layers, d_model {a.d_model}, {a.heads} heads, seq {a.seq}, batch {a.batch}, vocab {a.vocab}; AdamW")
-    for name, (ms, _, new_compiles) in results.items():
-        label = {"compile": "compiled", "graph": "graph replay"}.get(name, f"{name} eager")
-        print(f"  tpu {label:13s}: {ms:9.1f} ms/step  ({ms / t_cpu:.2f}x torch CPU)"
-              f"  [{new_compiles} compilations in a steady step]")
+    for name, (ms, _, new_compiles, waits, host) in results.items():
+        label = {"compile": "compiled", "graph": "graph replay",
+                 "onestep": "compiled 1-exe"}.get(name, f"{name} eager")
+        print(f"  tpu {label:14s}: {ms:8.1f} ms/step  ({ms / t_cpu:.2f}x torch CPU, "
+              f"{ms / t_jax:.2f}x JAX)  host {host:.2f} ms/step  [a steady step: "
+              f"{new_compiles} compilations, {waits} blocking waits]")
     print(f"  torch CPU eager  : {t_cpu:9.1f} ms/step  (1.00x)")
     if t_inductor is not None:
         print(f"  torch CPU inductor: {t_inductor:8.1f} ms/step  ({t_inductor / t_cpu:.2f}x torch CPU)")
@@ -208,14 +223,15 @@ def run(a):
         print(f"  fused speed-up over strict: {results['strict'][0] / results['fused'][0]:.2f}x")
     if "compile" in results:
         print(f"  tpu compiled / JAX one jit: {results['compile'][0] / t_jax:.2f}x (target <= 1.0x)")
-    if "graph" in results:
+    for name, replay in replays.items():
         # Alternate the two, so that load on a shared machine hits both alike.
         ratios = [time_steps(replay, a.steps, torch.tpu.synchronize)
                   / time_steps(jstep, a.steps, lambda: state["loss"].block_until_ready())
                   for _ in range(a.repeat)]
-        print(f"  tpu graph replay / JAX one jit: {min(ratios):.2f}-{max(ratios):.2f}x over "
+        label = {"graph": "graph replay", "onestep": "compiled 1-exe"}[name]
+        print(f"  tpu {label} / JAX one jit: {min(ratios):.2f}-{max(ratios):.2f}x over "
               f"{a.repeat} alternating runs (target <= 1.1x)")
-    for name, (_, warmup, _) in results.items():
+    for name, (_, warmup, *_) in results.items():
         print(f"  tpu {name} first step (warm-up incl. compiles): {warmup:.1f} s = "
               f"{warmup * 1e3 / t_cpu:.1f}x one torch CPU step")
     print(f"  JAX first step (trace + compile): {jax_warmup:.1f} s = {jax_warmup * 1e3 / t_cpu:.1f}x")

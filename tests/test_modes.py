@@ -150,8 +150,9 @@ def test_fused_error_names_op_and_line_and_keeps_inputs():
         assert "aten.index_put_" in message and "test_modes.py" in message
         assert x.cpu().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
         assert y.cpu().tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
-        with pytest.raises(RuntimeError, match="earlier deferred op failed"):
-            z.cpu()
+        # The checks were read at the sync, after the segment ran whole: z did not depend on
+        # the failing op and holds its value (sync.py documents the state).
+        assert z.cpu().tolist() == [1.0, 3.0, 5.0, 7.0, 9.0]
 
 
 _probe = torch.library.Library("torchtpu_test_modes", "DEF")

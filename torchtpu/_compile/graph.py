@@ -13,7 +13,7 @@ import warnings
 import torch
 
 from .._core import storage
-from .._execution import bounded, debug, fused, op_kernel, sync
+from .._execution import bounded, fused, op_kernel, sync
 from .._core import metrics
 from .._execution.random import next_key_parts
 from .._core import registry
@@ -167,10 +167,10 @@ class Captured:
         # Donated: the arrays of the inputs it overwrites (parameters, optimizer state) that
         # nothing but their storage refers to.
         call = self.segment.prepare(ext, packed, held=self.held)
-        results, failed = self.segment.run(ext, call, packed)
+        results, checks = self.segment.run(ext, call, packed)
         del ext
-        if failed is not None:
-            raise self._check_error(*failed)
+        if any(checks):
+            sync.defer(checks, self.segment.check_error(self.where, f"in compiled graph {self.name}"))
         for j, r in self.mutations:
             buffers[j].array = results[r]
         if results:
@@ -203,11 +203,6 @@ class Captured:
                 outs.append(t)
         return outs if self.returns_sequence else outs[0]
 
-    def _check_error(self, i, error):
-        compiled = self.signature[i][0]
-        kernel, where = self.where[i]
-        return debug.attributed(error, kernel.overload, debug.describe_key(compiled.key), where,
-                                note=f"\n  (in compiled graph {self.name})")
 
 
 class CompiledGraph:
@@ -224,7 +219,9 @@ class CompiledGraph:
     def __call__(self, *args):
         # AOTAutograd calls forward graphs boxed (one list) and backward graphs unboxed.
         args = list(args[0]) if len(args) == 1 and isinstance(args[0], list) else list(args)
-        if self.eager:
+        if self.eager or fused.capturing():
+            # In a torch.tpu graph capture (a whole compiled step, step.py) its ops are recorded
+            # into the capture's trace.
             return self.gm(*args)
         key, buffers = layout_key(args)
         if not self.variants and _host_nodes(self.gm):

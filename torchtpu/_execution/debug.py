@@ -66,6 +66,16 @@ def attributed(error, op_name, inputs, where, note=""):
     return new
 
 
+def failed_check(values, compiled, op_name, where, note):
+    """The error of an op's first failed device-side check (`values`: its checks read on the
+    host), naming the op and the line; None when they all passed."""
+    error = compiled.check_error(values)
+    if error is None:
+        return None
+    return attributed(error, op_name, describe_key(compiled.key), where,
+                      note=f"\n  ({note}; a device-side check, read when the host next waited)")
+
+
 def first_non_finite(arrays):
     """Index of the first floating/complex array holding NaN or Inf, or None (synchronises)."""
     for i, a in enumerate(arrays):

@@ -41,7 +41,7 @@ EAGER_ROUNDING = {"xla_allow_excess_precision": False}
 
 class _Trace:
     __slots__ = ("device", "signature", "where", "ext_arrays", "ext_ids", "scalars", "pendings",
-                 "captured", "in_backward", "resized", "ext_buffers")
+                 "captured", "in_backward", "ran_backward", "resized", "ext_buffers")
 
     def __init__(self, device):
         self.device = device
@@ -53,6 +53,7 @@ class _Trace:
         self.pendings = []    # per slot
         self.captured = False  # taken over by torch.compile: never flushed
         self.in_backward = False  # recording the ops of a backward pass (the autograd engine's)
+        self.ran_backward = False  # it recorded one
         self.resized = {}  # op index -> the out= tensors it resized, with their old layouts
         # torch.tpu graphs: per external array, the storage it was read from (replay reads the
         # storage's value then); inputs are told apart by storage, not by array.
@@ -95,6 +96,7 @@ def _record(kernel, compiled, vals, buffers, scalars, device):
             flush(FlushReason.BACKWARD)
             tr = _trace = _Trace(device)
         tr.in_backward = not tr.in_backward
+        tr.ran_backward |= tr.in_backward
     # An input is either a slot produced earlier in this trace (>= 0) or an external array (< 0).
     wiring = []
     for b in buffers:
@@ -253,7 +255,11 @@ def _flush(tr, reason, op):
         with _interrupts_held():
             try:
                 with metrics.span(f"torchtpu::flush ({reason})"):
-                    results, failed = segment.run(tr.ext_arrays, call, packed)
+                    results, checks = segment.run(tr.ext_arrays, call, packed)
+                failed = None
+                if any(checks):
+                    sync.defer(checks, segment.check_error(
+                        list(tr.where), f"a fused op; its segment ran because of {reason}"))
             except Exception:
                 failed = -1
             if failed is not None:
@@ -436,8 +442,8 @@ class Segment:
                 c.check_info[:] = info
 
     def run(self, ext_arrays, call, packed_scalars):
-        """(results, failure): failure is None, or (i, error) for the first op i whose index
-        check failed (its error, not raised: the caller says where the op came from)."""
+        """(results, checks): `checks`, the ops' device-side checks, are not read here: the
+        caller queues them with sync.defer and `check_error`."""
         donate, compiling, start = call
         try:
             fn = self.compile(ext_arrays, donate, packed_scalars)
@@ -451,10 +457,20 @@ class Segment:
                 metrics.counters["compile_seconds"] += time.perf_counter() - start
             else:
                 metrics.counters[f"{self.kind}_cache_hits"] += 1
-        failed = first_failed_check(checks)
-        if failed is None:
-            return results, None
-        return results, (failed, self.structure[0][failed][0].check_error(checks[failed]))
+        return results, checks
+
+    def check_error(self, where, note):
+        """For sync.defer: error(host values of run's checks), the first failed op's error
+        naming it and its line (`where`: per op, its kernel and line), or None."""
+        signature = self.structure[0]
+
+        def error(values):
+            i = first_failed_check(values)
+            if i is None:
+                return None
+            kernel, line = where[i]
+            return debug.failed_check(values[i], signature[i][0], kernel.overload, line, note)
+        return error
 
     def lower(self, ext_arrays, packed_scalars):
         fn = jax.jit(segment_function(*self.structure, (False,) * len(ext_arrays)),

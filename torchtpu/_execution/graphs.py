@@ -18,8 +18,9 @@ non-tensor hyperparameters are compared at each replay, and a changed one raises
 tensor `lr` with `capturable=True` to schedule it).
 
 A step's index checks run in the executable too.  Its new values for the storages it
-overwrites are selected against them, so a failed check leaves every tensor as it was although
-those storages were donated, and the error names the op and the line that recorded it.
+overwrites are selected against them, so a failed check leaves every existing tensor as it was
+although those storages were donated; the checks are read when the host next waits (see
+sync.py), and the error names the op and the line that recorded it.
 
 Memory: a storage's memory belongs to its tensors (PJRT allocates it); graphs keep no private
 pool, so `pool=`/`graph_pool_handle()` are accepted for compatibility and change nothing.
@@ -137,6 +138,7 @@ class TPUGraph:
         written = set(self._written)
         self._held = tuple(int(k in written) for k in range(len(self._inputs)))
         self._signature, self._where = tuple(tr.signature), list(tr.where)
+        self.ran_backward = tr.ran_backward  # (a compiled step asks, step.py)
         types = tuple(map(type, tr.scalars))
         arrays, other = fused.pack_scalars(tr.scalars, types)
         self._packed_arrays, self._other = arrays, other
@@ -172,19 +174,29 @@ class TPUGraph:
         return ([a for k, a in enumerate(arrays) if k in donate],
                 [a for k, a in enumerate(arrays) if k not in donate])
 
-    def replay(self):
+    def _hyper_changed(self):
+        """Why the optimizers' Python hyperparameters differ from the captured ones, or None."""
+        for group, key, value, optimizer in self._hyper:
+            if _hyper_value(group[key]) != value:
+                return (f"{type(optimizer).__name__}'s param_groups[...]['{key}'] is {group[key]!r} "
+                        f"but was {value!r} when the graph was captured, and that value is baked "
+                        "into the graph. To change it between replays, pass it as a tpu tensor "
+                        "(e.g. lr=torch.tensor(0.01, device='tpu')) with capturable=True, or "
+                        "capture again.")
+        return None
+
+    def replay(self, inputs=None):
+        """`inputs` (private, for a compiled step): {input index: the storage to read instead}."""
         if not self._captured:
             raise RuntimeError("torch.tpu graphs: replay() of a graph that was not captured")
         fused.flush(FlushReason.GRAPH_REPLAY)
-        for group, key, value, optimizer in self._hyper:
-            if _hyper_value(group[key]) != value:
-                raise RuntimeError(
-                    f"torch.tpu graph replay: {type(optimizer).__name__}'s param_groups[...]['{key}'] "
-                    f"is {group[key]!r} but was {value!r} when the graph was captured, and that "
-                    "value is baked into the graph. To change it between replays, pass it as a "
-                    "tpu tensor (e.g. lr=torch.tensor(0.01, device='tpu')) with capturable=True, "
-                    "or capture again.")
-        inputs = self._inputs
+        changed = self._hyper_changed()
+        if changed is not None:
+            raise RuntimeError(f"torch.tpu graph replay: {changed}")
+        if inputs:
+            inputs = [inputs.get(k, b) for k, b in enumerate(self._inputs)]
+        else:
+            inputs = self._inputs
         arrays = [b._array for b in inputs]
         for k, b in enumerate(inputs):
             if type(arrays[k]) is not Array:
@@ -211,10 +223,8 @@ class TPUGraph:
             counters["compile_seconds"] += time.perf_counter() - start
         counters["tpu_graph_replays"] += 1
         counters["donated_buffers"] += sum(mask)
-        if self._checks and not bool(ok):
-            for r in self._guarded:  # their old values, selected in the executable
-                self._commit(r, results[r])
-            raise self._check_error(int(first))
+        if self._checks:  # read when the host next waits (sync.defer)
+            sync.defer((ok, first), lambda v: None if v[0] else self._check_error(int(v[1])))
         for ref, r in self._outputs:
             b = ref()
             if b is not None:
@@ -222,19 +232,15 @@ class TPUGraph:
         if results:
             sync.track(results[0])  # what torch.tpu.synchronize() waits for
 
-    def _commit(self, r, array):
-        b = self._outputs[r][0]()
-        if b is not None:
-            b._array = array
-
     def _check_error(self, flat):
         i, j = self._checks[flat]
         compiled = self._signature[i][0]
         kernel, where = self._where[i]
         exc_type, message = compiled.check_info[j]
         return debug.attributed(exc_type(message), kernel.overload, debug.describe_key(compiled.key),
-                                where, note="\n  (in a torch.tpu graph: raised at its replay, "
-                                            "which changed no tensor)")
+                                where, note="\n  (a device-side check in a torch.tpu graph, read "
+                                            "when the host next waited; the replay changed no "
+                                            "existing tensor)")
 
     def reset(self):
         if self._trace is not None:

@@ -214,11 +214,21 @@ class OpKernel:
         else:
             outs, updated, checks = compiled.fn(*arrays, *scalars)
         if checks:
-            self._raise_failed_checks(compiled, checks)
+            if mode is _BLOCKING:
+                self._raise_failed_checks(compiled, checks)
+            else:
+                self._defer_checks(compiled, checks)
         return self._commit(compiled, vals, outs, updated, buffers, device)
+
+    def _defer_checks(self, compiled, checks):
+        """Read `checks` at the next wait of the host, not now (sync.defer)."""
+        where = debug.user_frame(3)
+        sync.defer(checks, lambda values: debug.failed_check(
+            values, compiled, self.overload, where, "its in-place targets kept their values"))
 
     def _run_blocking(self, compiled, vals, arrays, scalars):
         """Debug eager: wait for the op, and name it, its inputs and the caller on failure."""
+        metrics.counters["blocking_waits"] += 1
         try:
             outs, updated, checks = compiled.fn(*arrays, *scalars)
             jax.block_until_ready((outs, updated))
@@ -472,6 +482,11 @@ class OpKernel:
             for (shape, stride, dtype), value in zip(specs, flat):
                 value = jnp.broadcast_to(cast(value, dtype), shape)
                 outs.append(strided.store(value, stride))
+            if checks and write_targets:
+                # Checks are read later (sync.defer): a failing op keeps its targets' values.
+                ok = jnp.all(jnp.stack([jnp.asarray(c, bool).reshape(()) for c, _, _ in checks]))
+                for j, *_ in write_targets:
+                    new_arrays[j] = jnp.where(ok, new_arrays[j], arrays[j])
             return outs, [new_arrays[j] for j in compiled.writes], [c for c, _, _ in checks]
 
         compiled.run = run
@@ -596,6 +611,7 @@ class OpKernel:
     def _run_eager(self, compiled, vals, arrays, buffers, scalars, device):
         metrics.counters[self.metric_key] += 1
         metrics.counters["syncs"] += 1
+        sync.wait()  # its values decide its outputs' shapes
         outs, updated, checks = compiled.fn(*arrays, *scalars)
         if checks:
             self._raise_failed_checks(compiled, checks)

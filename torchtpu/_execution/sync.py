@@ -1,9 +1,34 @@
-"""Waiting for asynchronously dispatched work (torch.tpu.synchronize)."""
+"""Waiting for asynchronously dispatched work (torch.tpu.synchronize), and the device-side
+validity checks read when the host waits.
+
+Deferred checks, as CUDA's device asserts: an op's checks (indices in range, ...) are booleans
+its executable computes.  Strict, fused and compiled execution and graph replay queue them
+(`defer`) and dispatch on, so a steady step never waits for them; they are read at the next
+point where the host waits anyway (`wait`: torch.tpu.synchronize(), .item(), .cpu(), a
+data-dependent op, an Event's synchronize()), and the first failure raises there, naming the
+op and the user's line that called it.  Debug mode reads an op's checks at the op.
+
+The state when it raises: the failing op's in-place and out= targets keep the values they had
+(its executable selects them; a torch.tpu graph or a compiled graph keeps every storage it
+overwrites, a fused segment keeps those of the failing op); its new outputs hold unspecified
+values, and so does anything computed from them before the error surfaced.  Every tensor stays
+usable, and the queue is empty after the raise.
+"""
 import collections
+import threading
 import weakref
+
+import jax
+
+from .._core import metrics
 
 # Weak references to recent op outputs: holding them would keep freed tensors' memory alive.
 _recent = collections.deque(maxlen=4096)
+# (check arrays, error(host values) -> exception or None), oldest first.
+_checks = collections.deque()
+_failed = []  # an error found while trimming the queue, raised at the next wait
+_lock = threading.Lock()
+_MAX_CHECKS = 256  # beyond this, checks that are done are read (no wait) to free them
 
 
 def track(array):
@@ -22,8 +47,47 @@ def synchronize(index=None):
     for a in pending:
         if _live(a):
             a.block_until_ready()
+    wait()
 
 
 def pending():
     """The live outputs of recently dispatched work (what an Event waits for)."""
     return [a for a in (r() for r in _recent) if _live(a)]
+
+
+def defer(arrays, error):
+    """Queue device-side checks: `error(host values of arrays)` is the exception to raise, or
+    None when they passed."""
+    with _lock:
+        _checks.append((arrays, error))
+        while len(_checks) > _MAX_CHECKS and _ready(_checks[0][0]):
+            arrays, error = _checks.popleft()
+            e = error(jax.device_get(arrays))
+            if e is not None and not _failed:
+                _failed.append(e)
+
+
+def _ready(arrays):
+    return all(a.is_ready() for a in jax.tree_util.tree_leaves(arrays))
+
+
+def wait():
+    """The host waits here (it reads a value; counted): raise the first failed deferred check."""
+    metrics.counters["blocking_waits"] += 1
+    if not _checks and not _failed:
+        return
+    with _lock:
+        queued = list(_checks)
+        _checks.clear()
+        failed = _failed[:1]
+        _failed.clear()
+    if queued:
+        values = jax.device_get([a for a, _ in queued])
+        for (_, error), v in zip(queued, values):
+            if failed:
+                break
+            e = error(v)
+            if e is not None:
+                failed.append(e)
+    if failed:
+        raise failed[0]

@@ -8,7 +8,7 @@ import torch
 
 from .._core import runtime, storage
 from .._core.dtypes import numpy_to_tensor, tensor_to_numpy, to_jax_dtype
-from . import fused, strided
+from . import fused, strided, sync
 from .._core import metrics
 from .._core.metrics import FlushReason
 from .kernels import kernel_for
@@ -42,6 +42,7 @@ def to_host(t):
     fused.flush(FlushReason.DEVICE_TO_HOST, "aten::copy_ (to the host: .cpu(), .tolist(), .numpy(), printing)")
     metrics.counters["device_to_host"] += 1
     metrics.counters["device_to_host_bytes"] += t.numel() * t.element_size()
+    sync.wait()
     value = value_of(t)
     if value.ndim > _NUMPY_MAX_DIMS:
         value = value.reshape(-1)
@@ -122,6 +123,7 @@ def _local_scalar_dense(self):
     fused.flush(FlushReason.ITEM, "aten::_local_scalar_dense (.item())")
     metrics.counters["device_to_host"] += 1
     metrics.counters["device_to_host_bytes"] += self.element_size()
+    sync.wait()
     return np.asarray(jax.device_get(value_of(self))).reshape(()).item()
 
 

@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from .._compile import backend
+from .._compile import backend, step
 from .._core import storage
 from . import current
 
@@ -39,7 +39,8 @@ PATCHES = [
           "FSDP2 frees and re-creates parameters with resize_(0) / resize_(n)"),
     Patch("torch.compile",
           "the first call makes Dynamo skip torchtpu's and JAX's frames, so importing "
-          "torchtpu does not import Dynamo"),
+          "torchtpu does not import Dynamo; backend=\"tpu\" with mode=\"reduce-overhead\" "
+          "returns a whole step replayed as one executable (_compile/step.py)"),
     Patch("torch._TorchCompileInductorWrapper.__call__",
           "torch.compile's default backend (inductor) cannot generate code for tpu: graphs "
           "with tpu inputs go to the tpu backend"),
@@ -84,7 +85,7 @@ def install():
     for name in ("set_device_index", "set_device_idx"):
         _replace(acc, name, current.set_device_index)
     _replace(torch.UntypedStorage, "resize_", storage.resize_storage)
-    _replace(torch, "compile", backend.skipping_own_frames(torch.compile))
+    _replace(torch, "compile", backend.skipping_own_frames(step.whole_step(torch.compile)))
     wrapper = torch._TorchCompileInductorWrapper
     _replace(wrapper, "__call__", backend.routed_to_tpu(wrapper.__call__))
 

@@ -15,6 +15,7 @@ import time
 import torch
 
 from .._core import runtime
+from .._execution import sync
 from .._core.metrics import FlushReason
 
 
@@ -105,6 +106,7 @@ class Event:
             self._watcher.join()
         for a in self._arrays or ():
             a.block_until_ready()
+        sync.wait()
 
     def elapsed_time(self, end_event):
         if not (self.enable_timing and end_event.enable_timing):

@@ -1,0 +1,154 @@
+"""`torch.compile(step, backend="tpu", mode="reduce-overhead")`: a whole compiled step (forward,
+`loss.backward()`, `optimizer.step()`, `zero_grad()`) as one executable, replayed with no Python
+between its graphs.
+
+Dynamo splits such a step into several graphs with Python between them (the autograd engine
+runs the backward graph; `zero_grad` and optimizer hooks break the frame).  This mode first
+runs the step as Dynamo compiled it (two warm-up calls, which also create the optimizer's
+state), then captures one call as a torch.tpu graph (graphs.py: every compiled graph records
+its ops into one trace) and from then on replays that executable: each call only binds the new
+arguments' storages, checks what the capture baked in, and makes the returned tensors.
+
+As with CUDA graphs under inductor's "reduce-overhead", Python in the step does not run at
+replay: Python numbers and control flow are those of the captured call.  What is checked at
+each call, falling back to the Dynamo-compiled step when it differs: the tensor arguments'
+layouts, the other arguments' values, grad mode, autocast, and the optimizers' Python hyperparameters
+(a Python-number lr that a scheduler changes runs the Dynamo path, which recompiles per value;
+a tpu tensor lr with capturable=True replays).  Parameters and optimizer state are read from
+their storages at each replay, so in-place updates outside the step (a scheduler's lr.fill_,
+`copy_` into a parameter, load_state_dict) are seen; a parameter replaced by another tensor
+(`p.data = t`) is not.  Returned tensors the step creates are new at each call.
+"""
+import warnings
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .._core import metrics, storage
+from .._execution import graphs
+from . import graph
+
+WARMUP = 2  # Dynamo-compiled calls before the capture: the first creates optimizer state
+
+
+class _Fallback(Exception):
+    pass
+
+
+class WholeStep:
+    """The callable `torch.compile(..., backend="tpu", mode="reduce-overhead")` returns."""
+
+    def __init__(self, compiled):
+        self._compiled = compiled
+        self._seen = {}  # call key -> number of Dynamo-compiled calls
+        self._steps = {}  # call key -> _Captured, or None: runs the Dynamo path
+
+    def __getattr__(self, name):  # the wrapped OptimizedModule's attributes
+        return getattr(self.__dict__["_compiled"], name)
+
+    def __call__(self, *args, **kwargs):
+        if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
+            flat, spec = tree_flatten((args, kwargs))
+        else:  # the common case, without pytree's cost (a third of a replay's Python)
+            flat, spec = args, len(args)
+        try:
+            key = _call_key(flat, spec)
+            hash(key)
+        except TypeError:  # an unhashable argument: nothing to compare a capture against
+            return self._compiled(*args, **kwargs)
+        step = self._steps.get(key, False)
+        if step is False:
+            seen = self._seen[key] = self._seen.get(key, 0) + 1
+            if seen <= WARMUP:
+                return self._compiled(*args, **kwargs)
+            step = self._steps[key] = self._capture(flat, args, kwargs)
+        if step is not None:
+            changed = step.graph._hyper_changed()
+            if changed is None:
+                return step.replay(flat)
+            warnings.warn(f"torchtpu: compiled step runs graph by graph from now on: {changed}")
+            self._steps[key] = None
+        return self._compiled(*args, **kwargs)
+
+    def _capture(self, flat, args, kwargs):
+        g = graphs.TPUGraph()
+        try:
+            with graphs.graph(g):
+                out = self._compiled(*args, **kwargs)
+            step = _Captured(g, flat, out)
+        except (RuntimeError, _Fallback) as e:
+            warnings.warn(f"torchtpu: compiled step runs graph by graph (it cannot be captured "
+                          f"as one executable): {e}")
+            return None
+        metrics.counters["step_captures"] += 1
+        return step
+
+
+def _call_key(flat, spec):
+    key = [spec, torch.is_grad_enabled(), torch.is_autocast_enabled("tpu"),
+           torch.get_autocast_dtype("tpu")]
+    for a in flat:
+        if isinstance(a, torch.Tensor):
+            key.append(graph.layout_key([a])[0] + (a.requires_grad,))
+        else:
+            key.append((type(a), a))
+    return tuple(key)
+
+
+class _Captured:
+    """One captured call: which graph inputs the arguments are, and what it returns."""
+
+    def __init__(self, g, flat, out):
+        self.graph = g
+        position = {id(b): k for k, b in enumerate(g._inputs)}
+        written = set(g._written)
+        self.arguments = []  # (graph input index, position in the flat arguments)
+        for i, a in enumerate(flat):
+            if isinstance(a, torch.Tensor):
+                k = position.get(id(graph._buffer(a)))
+                if k in written:
+                    raise _Fallback("it writes into one of its tensor arguments")
+                if k is not None:
+                    self.arguments.append((k, i))
+        self.args = {id(a): i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)}
+        created = {id(ref()) for ref, _ in g._outputs}
+        outs, self.out_spec = tree_flatten(out)
+        if not g.ran_backward and any(isinstance(o, torch.Tensor) and o.requires_grad for o in outs):
+            # A forward whose backward runs outside: its results need their autograd graph.
+            raise _Fallback("it returns tensors that require grad and runs no backward pass")
+        self.outputs = []  # per returned leaf: ("new", tensor) | ("arg", i) | ("same", value)
+        for o in outs:
+            if isinstance(o, torch.Tensor) and id(graph._buffer(o)) in created:
+                self.outputs.append(("new", o))
+            elif isinstance(o, torch.Tensor) and id(o) in self.args:
+                self.outputs.append(("arg", self.args[id(o)]))
+            else:
+                self.outputs.append(("same", o))
+
+    def replay(self, flat):
+        inputs = {k: graph._buffer(flat[i]) for k, i in self.arguments}
+        self.graph.replay(inputs)
+        outs = []
+        for kind, v in self.outputs:
+            if kind == "new":  # a new tensor on the array the replay just wrote
+                buf = graph._buffer(v)
+                t = storage.wrap(buf._array, list(v.shape), list(v.stride()), v.dtype,
+                                 buf.index, buf.nbytes, v.storage_offset())
+                outs.append(t)
+            elif kind == "arg":
+                outs.append(flat[v])
+            else:
+                outs.append(v)
+        return tree_unflatten(outs, self.out_spec)
+
+
+def whole_step(compile_):
+    """`torch.compile` wrapper: mode="reduce-overhead" with backend="tpu" gives a WholeStep."""
+    def compile(model=None, **kwargs):
+        if kwargs.get("backend") != "tpu" or kwargs.get("mode") != "reduce-overhead":
+            return compile_(model, **kwargs) if model is not None else compile_(**kwargs)
+        kwargs = {k: v for k, v in kwargs.items() if k != "mode"}
+        if model is None:
+            return lambda m: WholeStep(compile_(m, **kwargs))
+        return WholeStep(compile_(model, **kwargs))
+    return compile
