@@ -145,6 +145,29 @@ def test_resize_preserves_values():
     assert t.shape == (8,) and t[:4].cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["torch>=2.12", "torch2.11"])
+def test_resize_where_storages_can_or_cannot_resize_in_place(monkeypatch, in_place):
+    # torch 2.11 has no UntypedStorage._swap_data_ptr_: a growing tensor moves to a new
+    # storage there, and a storage's own resize_ refuses with a clear error.
+    from torchtpu._core import storage
+    monkeypatch.setattr(storage, "RESIZES_IN_PLACE", in_place)
+    t = torch.arange(4.0, device="tpu")
+    t.resize_(2, 4)
+    assert t.shape == (2, 4) and t.view(-1)[:4].cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    out = torch.empty(2, device="tpu")
+    assert torch.add(a.to("tpu"), b.to("tpu"), out=out) is out
+    torch.testing.assert_close(out.cpu(), a + b)
+    st = torch.ones(4, device="tpu").untyped_storage()
+    if in_place:
+        st.resize_(0)
+        assert st.nbytes() == 0
+    else:
+        with pytest.raises(RuntimeError, match="needs torch 2.12 or newer"):
+            st.resize_(0)
+        assert st.nbytes() == 16
+
+
 def test_dtype_view_shares_bits():
     a = torch.randn(4)
     t = a.to("tpu")

@@ -324,28 +324,59 @@ _dlpack_keepalive = []
 _resize_ = torch.UntypedStorage.resize_
 
 
-def _resize_bytes(storage, nbytes):
+# torch 2.11 has no `_swap_data_ptr_` (2.12 added it): there a storage cannot change its size
+# in place, so `UntypedStorage.resize_` (FSDP2) refuses with a clear error, and a tensor's
+# `resize_` (and out= resizing) moves the tensor onto a new, larger storage instead.
+RESIZES_IN_PLACE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+def _check_size(nbytes):
     nbytes = int(nbytes)
     if nbytes < 0:
         raise RuntimeError(f"Storage size calculation overflowed with sizes=[{nbytes}]")
+    return nbytes
+
+
+def _kept_bytes(old, nbytes):
+    """A device array of `nbytes` holding the bytes of buffer `old` that fit (None: nothing
+    to keep)."""
+    if not (old.nbytes and nbytes and old._array is not None):
+        return None
+    itemsize = jnp.dtype(old.dtype).itemsize
+    keep = min(old.nbytes, nbytes) // itemsize
+    array = jnp.zeros(nbytes // itemsize, old.dtype, device=runtime.jax_device(old.index))
+    return array.at[:keep].set(old.value().reshape(-1)[:keep])
+
+
+def _resize_bytes(storage, nbytes):
+    nbytes = _check_size(nbytes)
     old = storage._tpu
     if nbytes == old.nbytes:
         return storage
+    if not RESIZES_IN_PLACE:
+        raise RuntimeError(
+            f"resizing a tpu storage in place (UntypedStorage.resize_, used by FSDP2) needs "
+            f"torch 2.12 or newer: torch {torch.__version__} has no "
+            "UntypedStorage._swap_data_ptr_")
     # `_swap_data_ptr_` needs one side empty: first empty this storage, then take the new size.
     if old.nbytes:
         storage._swap_data_ptr_(_storage_from_pointer(_reserve_address(0), storage.device, 0))
     if nbytes:
         storage._swap_data_ptr_(
             _storage_from_pointer(_reserve_address(nbytes), storage.device, nbytes))
-    array = None
-    if old.nbytes and nbytes and old._array is not None:
-        itemsize = jnp.dtype(old.dtype).itemsize
-        flat = old.value().reshape(-1)
-        keep = min(old.nbytes, nbytes) // itemsize
-        array = jnp.zeros(nbytes // itemsize, old.dtype, device=runtime.jax_device(old.index))
-        array = array.at[:keep].set(flat[:keep])
-    storage._tpu = DeviceBuffer(array, nbytes, old.index, old.dtype)
+    storage._tpu = DeviceBuffer(_kept_bytes(old, nbytes), nbytes, old.index, old.dtype)
     return storage
+
+
+def grown(storage, nbytes):
+    """`storage` with `nbytes` (more than it has), keeping its bytes: itself, resized in place
+    so that every view sees the new size, or on torch 2.11 a new storage (only the tensor
+    set onto it sees the new size)."""
+    if RESIZES_IN_PLACE:
+        return _resize_bytes(storage, nbytes)
+    old = storage._tpu
+    nbytes = _check_size(nbytes)
+    return new_storage(nbytes, old.index, _kept_bytes(old, nbytes), old.dtype)
 
 
 def resize_storage(storage, nbytes):

@@ -140,7 +140,7 @@ def _resize_(self, size, memory_format=None):
         # The storage grows in place, keeping its bytes, so that every view of it (a base this
         # tensor is a view of) sees the new elements, as when PyTorch reallocates.
         storage.check_allocation(shape, stride, self.dtype, self.device.index)
-        storage.resize_storage(st, needed)
+        st = storage.grown(st, needed)
     storage.set_storage(self, st, offset, shape, stride)
     return self
 

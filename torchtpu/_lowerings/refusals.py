@@ -52,12 +52,19 @@ def _refusing(previous, name, kinds, arity, exc, empty):
     return validate
 
 
+def _lowering(name):
+    """The table's lowering of `name`, or None where this torch release (or its
+    decompositions) gives the table none: a refusal of an op we do not run is moot."""
+    op = overload_of(name, missing_ok=True)
+    return None if op is None else TABLE.get(op)
+
+
 def refuse(kinds, *names, arity=1, exc=NotImplementedError, empty=True):
     """The lowerings of `names` (aten overloads) refuse `kinds` of dtype ("bool", "int",
     "float", "complex", or a torch dtype), as the CPU does, after its shape checks;
     `arity` leading arguments decide the dtype (promoted together); empty=False: a kernel that
     returns before looking at the dtype when its input is empty."""
-    lowerings = {id(TABLE[overload_of(n)]): (TABLE[overload_of(n)], n) for n in names}
+    lowerings = {id(low): (low, n) for n in names if (low := _lowering(n)) is not None}
     for low, name in lowerings.values():
         low.validate = _refusing(low.validate, name, kinds, arity, exc, empty)
 
@@ -98,7 +105,8 @@ refuse(("bool", "int", "complex"), "aten::igamma.default", "aten::igammac.defaul
 
 for _name in ("amax.default", "amin.default", "heaviside.default", "neg.default", "round.default", "round.decimals", "bitwise_not.default", "frac.default",
               "nan_to_num.default"):
-    TABLE[overload_of("aten::" + _name)].exact_out = True
+    if (_low := _lowering("aten::" + _name)) is not None:
+        _low.exact_out = True
 refuse(("bool",), "aten::addcmul.default")
 refuse(("bool", "int"), "aten::uniform_.default", "aten::normal_.default")
 refuse(("bool", "int"), "aten::_adaptive_avg_pool2d.default", "aten::_adaptive_avg_pool3d.default")
@@ -116,5 +124,6 @@ def _check_max_pool2d(x, *rest):
         raise RuntimeError("non-empty 3D or 4D (batch mode) tensor expected for input")
 
 
-TABLE[overload_of("aten::max_pool2d_with_indices.default")].validate = _check_max_pool2d
+if (_low := _lowering("aten::max_pool2d_with_indices.default")) is not None:
+    _low.validate = _check_max_pool2d
 refuse(("bool",), "aten::max_pool2d_with_indices.default", "aten::dot.default")
