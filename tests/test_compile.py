@@ -78,8 +78,11 @@ def test_failed_index_check_in_graph_names_the_op_and_changes_nothing():
     g = torch.compile(step, backend="tpu")
     w = torch.arange(4.0, device="tpu")
     assert g(w, torch.tensor([1], device="tpu")).item() == 2.0
+    # The graph's check is read at the next wait of the host (here .item()), as CUDA's
+    # device asserts surface at the next sync.
+    bad = g(w, torch.tensor([7], device="tpu"))
     with pytest.raises(IndexError, match=r"(?s)out of (range|bounds).*aten.index.Tensor.*in compiled graph"):
-        g(w, torch.tensor([7], device="tpu"))
+        bad.item()
     _close(w, torch.tensor([0.0, 2.0, 4.0, 6.0]))  # the failed call's mul_ was not committed
 
 

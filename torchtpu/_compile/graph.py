@@ -119,7 +119,12 @@ class Captured:
         # Inputs the graph overwrites: their storage's reference goes when the results are stored.
         overwritten = {j for j, _ in self.mutations}
         self.held = tuple(int(isinstance(src, int) and src in overwritten) for src in self.sources)
-        self.segment = fused.Segment(self.signature, result_slots, self.scalar_types, "graph")
+        # A failed check (read later, sync.py) leaves the storages it overwrites as they were.
+        read_from = {src: k for k, src in reversed(list(enumerate(self.sources)))
+                     if isinstance(src, int)}
+        guarded = [(r, read_from[j]) for j, r in self.mutations if j in read_from]
+        self.segment = fused.Segment(self.signature, result_slots, self.scalar_types, "graph",
+                                     guarded)
         # The trace and its Pending values form a cycle that only the garbage collector frees;
         # until then its list of inputs would keep them from being donated.
         tr.ext_arrays.clear()

@@ -23,6 +23,7 @@ import warnings
 import weakref
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 
@@ -345,15 +346,15 @@ class Segment:
 
     __slots__ = ("structure", "executables", "has_checks", "kind", "key", "name", "patterns")
 
-    def __init__(self, signature, outputs, scalar_types, kind):
-        self.structure = (signature, outputs, scalar_types)
+    def __init__(self, signature, outputs, scalar_types, kind, guarded=()):
+        self.structure = (signature, outputs, scalar_types, tuple(guarded))
         self.executables = {}
         self.has_checks = None  # known once traced
         self.kind = kind
         # For the persistent cache: its ops' own keys, their wiring, what it returns.
         ops = [(getattr(c.fn, "key", None), wiring, n) for c, wiring, n in signature]
         self.key = None if any(k is None for k, _, _ in ops) else executables.stable(
-            (ops, outputs, [t.__name__ for t in scalar_types]))
+            (ops, outputs, [t.__name__ for t in scalar_types], tuple(guarded)))
         names = [c.fn.name for c, _, _ in signature[:1] + signature[-1:] if hasattr(c.fn, "name")]
         self.name = f"segment of {len(signature)} ops ({' .. '.join(names)})"
         self.patterns = None  # donation patterns built, here or by earlier processes
@@ -500,7 +501,10 @@ def _split(ext_arrays, donate):
             [a for a, d in zip(ext_arrays, donate) if not d])
 
 
-def segment_function(signature, outputs, scalar_types, donate):
+def segment_function(signature, outputs, scalar_types, guarded, donate):
+    """The recorded ops as one JAX function: (donated, kept, packed scalars) -> (results, each
+    op's checks).  `guarded`: (result, input) pairs, the storages a graph overwrites: where a
+    check fails, result r is input k unchanged, so a failure read later changed nothing."""
     def segment(donated, kept, packed):
         donated_it, kept_it = iter(donated), iter(kept)
         ext = [next(donated_it) if d else next(kept_it) for d in donate]
@@ -515,9 +519,20 @@ def segment_function(signature, outputs, scalar_types, donate):
             slots.extend(outs)
             slots.extend(updated)
             checks.append(op_checks)
-        return [slots[s] for s in outputs], checks
+        results = [slots[s] for s in outputs]
+        passed = all_passed(checks)
+        if guarded and passed is not None:
+            for r, k in guarded:
+                results[r] = jnp.where(passed.all(), results[r], ext[k])
+        return results, checks
 
     return segment
+
+
+def all_passed(checks):
+    """Every check of a segment's ops as one boolean vector (None: no checks), traced."""
+    flat = [c for op in checks for c in op]
+    return jnp.stack([jnp.asarray(c, bool).reshape(()) for c in flat]) if flat else None
 
 
 def first_failed_check(checks):

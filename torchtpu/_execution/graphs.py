@@ -289,21 +289,15 @@ def _step_function(signature, slots, scalar_types, guarded, n_inputs, mask):
     checks passed, index of the first failed check)."""
     donated_inputs = {k for (_, k), d in zip(guarded, mask) if d}
     segment = fused.segment_function(
-        signature, slots, scalar_types, tuple(k in donated_inputs for k in range(n_inputs)))
+        signature, slots, scalar_types, guarded,
+        tuple(k in donated_inputs for k in range(n_inputs)))
 
     def step(donated, kept, packed):
         results, checks = segment(donated, kept, packed)
-        flat = [c for op in checks for c in op]
-        if not flat:
+        passed = fused.all_passed(checks)
+        if passed is None:
             return results, True, 0
-        passed = jnp.stack([jnp.asarray(c, bool).reshape(()) for c in flat])
-        ok = passed.all()
-        donated_it, kept_it = iter(donated), iter(kept)
-        ext = [next(donated_it) if k in donated_inputs else next(kept_it) for k in range(n_inputs)]
-        results = list(results)
-        for r, k in guarded:
-            results[r] = jnp.where(ok, results[r], ext[k])
-        return results, ok, jnp.argmin(passed)
+        return results, passed.all(), jnp.argmin(passed)
 
     return step
 
