@@ -371,6 +371,22 @@ FUZZ_CASES = {
     "argmin_empty": lambda d: torch.argmin(torch.ones(0, device=d)),
     "min_dim_empty": lambda d: torch.min(torch.ones(0, device=d), dim=0),
     "median_dim_empty": lambda d: torch.median(torch.ones(0, dtype=torch.int32, device=d), 0),
+    # seeds 1 and 2 (python -m torchtpu.fuzz --seed 1 --calls 3000): silent successes and
+    # refusals of a 0-dim index
+    "interpolate_nearest_int": lambda d: F.interpolate(torch.ones(1, 1, 4, dtype=torch.int64, device=d), size=8),
+    "interpolate_nearest_exact_bool": lambda d: F.interpolate(
+        torch.ones(1, 1, 2, 2, dtype=torch.bool, device=d), scale_factor=2, mode="nearest-exact"),
+    "interpolate_nearest_uint8": lambda d: F.interpolate(torch.arange(4, dtype=_u8, device=d).view(1, 1, 4), size=8),
+    "mse_loss_int": lambda d: F.mse_loss(_t(d, [1, 2]), _t(d, [0, 0])),
+    "binary_cross_entropy_complex": lambda d: F.binary_cross_entropy(_t(d, [0.5j]), _t(d, [1j])),
+    "binary_cross_entropy_bool": lambda d: F.binary_cross_entropy(_t(d, [True]), _t(d, [True])),
+    "arange_bool": lambda d: torch.arange(0, 3, dtype=torch.bool, device=d),
+    "scatter_0dim_index": lambda d: torch.zeros(3, device=d).scatter_(0, _t(d, 1), _t(d, 7.0)),
+    "scatter_add_0dim_index": lambda d: torch.ones(3, device=d).scatter_add_(0, _t(d, 2), _t(d, 2.0)),
+    "gather_0dim_index": lambda d: torch.gather(torch.arange(3.0, device=d), 0, _t(d, 1)),
+    "gather_0dim_index_2d_self": lambda d: torch.gather(torch.ones(2, 2, device=d), 0, _t(d, 0)),
+    "sort_0dim_dim_out_of_range": lambda d: torch.sort(_t(d, 3.0), 1),
+    "sort_stable_0dim": lambda d: torch.sort(_t(d, 3.0), stable=True, dim=-1),
 }
 
 

@@ -12,7 +12,7 @@ from .meta import dtype_name
 
 
 def _check_arange(start, end, step=1, dtype=None, *rest):
-    if dtype is not None and dtype.is_complex:
+    if dtype is not None and (dtype.is_complex or dtype == torch.bool):
         raise NotImplementedError(f'"arange_cpu" not implemented for \'{dtype_name(dtype)}\'')
 
 

@@ -56,8 +56,20 @@ def index_select(x, dim, index):
     return jnp.take(x, _wrap(index, size), axis=dim)
 
 
-@lowering("aten::gather.default")
-def gather(x, dim, index, sparse_grad=False):
+def _one_dim_index(fn):
+    """PyTorch's gather/scatter kernels take a 0-dim index (and src) beside a 1-dim self as
+    1-dim of one element; a gather's result keeps the index's 0-dim shape."""
+    @functools.wraps(fn)
+    def wrapped(x, dim, index, *rest):
+        if index.ndim or x.ndim != 1:
+            return fn(x, dim, index, *rest)
+        rest = [r.reshape(1) if getattr(r, "ndim", None) == 0 else r for r in rest]
+        out = fn(x, dim, index.reshape(1), *rest)
+        return out.reshape(()) if fn is _gather else out
+    return wrapped
+
+
+def _gather(x, dim, index, sparse_grad=False):
     if index.size == 0:
         return jnp.zeros(index.shape, x.dtype)
     if x.ndim == 0:
@@ -69,6 +81,9 @@ def gather(x, dim, index, sparse_grad=False):
     return jnp.take_along_axis(x[sl], _wrap(index, x.shape[dim]), axis=dim)
 
 
+gather = lowering("aten::gather.default")(_one_dim_index(_gather))
+
+
 def _scatter_indices(x, dim, index):
     grids = np.ogrid[tuple(slice(0, n) for n in index.shape)]
     grids = [jnp.asarray(g) for g in grids]
@@ -77,6 +92,7 @@ def _scatter_indices(x, dim, index):
 
 
 @lowering("aten::scatter.src", "aten::scatter.value")
+@_one_dim_index
 def scatter(x, dim, index, src):
     if index.size == 0:  # PyTorch allows any empty index, even of another rank
         return x
@@ -103,6 +119,7 @@ def _bool_via_int(*positions):
 
 
 @lowering("aten::scatter_add.default")
+@_one_dim_index
 @_bool_via_int(0, 3)
 def scatter_add(x, dim, index, src):
     if index.size == 0:
@@ -115,6 +132,7 @@ def scatter_add(x, dim, index, src):
 
 
 @lowering("aten::scatter_reduce.two")
+@_one_dim_index
 @_bool_via_int(0, 3)
 def scatter_reduce(x, dim, index, src, reduce, include_self=True):
     if x.ndim == 0:
@@ -147,6 +165,7 @@ def scatter_reduce(x, dim, index, src, reduce, include_self=True):
 
 
 @lowering("aten::scatter.reduce", "aten::scatter.value_reduce")
+@_one_dim_index
 def scatter_with_reduce(x, dim, index, src, reduce):
     if jnp.ndim(src) == 0:  # value_reduce: a Scalar
         src = jnp.full(index.shape, src, x.dtype)

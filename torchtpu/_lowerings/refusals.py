@@ -127,3 +127,10 @@ def _check_max_pool2d(x, *rest):
 if (_low := _lowering("aten::max_pool2d_with_indices.default")) is not None:
     _low.validate = _check_max_pool2d
 refuse(("bool",), "aten::max_pool2d_with_indices.default", "aten::dot.default")
+refuse(("bool", "int"), "aten::mse_loss.default", arity=2)
+refuse(("bool", "int", "complex"), "aten::binary_cross_entropy.default", arity=2)
+refuse(("bool", torch.int8, torch.int16, torch.int32, torch.int64),
+       *(f"aten::{op}.{ov}" for op in ("upsample_nearest1d", "upsample_nearest2d",
+                                       "upsample_nearest3d", "_upsample_nearest_exact1d",
+                                       "_upsample_nearest_exact2d", "_upsample_nearest_exact3d")
+         for ov in ("default", "vec")))

@@ -94,7 +94,11 @@ def constant_pad_nd(x, pad, value=0):
     return lax.pad(x, jnp.asarray(value, x.dtype), [(lo, hi, 0) for lo, hi in widths])
 
 
-@lowering("aten::sort.default")
+def _check_sort(x, dim=-1, *rest):
+    canonicalize_dim(x.dim(), dim)  # a 0-dim tensor takes dims -1 and 0, as the CPU
+
+
+@lowering("aten::sort.default", validate=_check_sort)
 def sort(x, dim=-1, descending=False):
     if x.ndim == 0:
         return x, jnp.zeros((), jnp.int64)
@@ -102,7 +106,7 @@ def sort(x, dim=-1, descending=False):
     return jnp.take_along_axis(x, idx, axis=dim), idx
 
 
-@lowering("aten::sort.stable")
+@lowering("aten::sort.stable", validate=lambda x, stable=None, dim=-1, *rest: _check_sort(x, dim))
 def sort_stable(x, stable=None, dim=-1, descending=False):
     if x.ndim == 0:
         return x, jnp.zeros((), jnp.int64)
