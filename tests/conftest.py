@@ -55,3 +55,14 @@ def counts(*names):
     """The metrics counters `names` (0 when never counted)."""
     m = torchtpu.metrics()
     return tuple(m.get(n, 0) for n in names)
+
+
+def backward_and_step(loss, opt, scaler=None):
+    """loss.backward() then opt.step(), through `scaler` (a GradScaler) when one is given."""
+    if scaler:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    else:
+        loss.backward()
+        opt.step()

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import torchtpu
 
 from torchtpu.examples.models import GPT, MLP
+from conftest import backward_and_step
 
 
 def _train(model, opt, batches, loss_fn):
@@ -99,13 +100,7 @@ def _fused_run(dev, name, impl, scaler=False, overflow=(), steps=3):
     for i in range(steps):
         loss = model(torch.randn(5, 4).to(dev)).pow(2).sum() * (float("inf") if i in overflow else 1)
         opt.zero_grad()
-        if scaler:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
+        backward_and_step(loss, opt, scaler)
         sched.step()
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return ([t.detach().cpu() for t in [*model.parameters(), *state]],

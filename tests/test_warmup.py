@@ -8,7 +8,7 @@ import torch
 import torchtpu
 from torchtpu.examples.models import GPT
 
-from conftest import MODES
+from conftest import MODES, backward_and_step
 
 # Every kind of executable a step can build.
 _BUILT = ("compiles", "segment_compiles", "graph_captures", "graph_compiles")
@@ -36,13 +36,7 @@ def _train(model, x, name, scaler, compiled, steps=4):
     def step():
         loss = model(x, x)
         opt.zero_grad()
-        if scaler:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
+        backward_and_step(loss, opt, scaler)
         return loss
 
     if compiled:
