@@ -387,6 +387,8 @@ FUZZ_CASES = {
     "gather_0dim_index_2d_self": lambda d: torch.gather(torch.ones(2, 2, device=d), 0, _t(d, 0)),
     "sort_0dim_dim_out_of_range": lambda d: torch.sort(_t(d, 3.0), 1),
     "sort_stable_0dim": lambda d: torch.sort(_t(d, 3.0), stable=True, dim=-1),
+    "addcmul_bool_self_float_tensor": lambda d: torch.addcmul(_t(d, True), _t(d, True), _t(d, 2.0), value=0.5),
+    "addcmul_bool": lambda d: torch.addcmul(_t(d, [True]), _t(d, [True]), _t(d, [False])),
 }
 
 

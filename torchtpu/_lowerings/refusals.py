@@ -5,6 +5,7 @@ PyTorch's meta kernels accept them (and JAX would compute something), so each op
 kinds of (promoted) dtype its CPU kernel refuses, with the CPU's exception type.  Applied once
 the table is full, to hand-written and decomposed lowerings alike."""
 import torch
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from .._core.registry import TABLE, overload_of
 from .meta import dtype_name
@@ -45,7 +46,8 @@ def _refusing(previous, name, kinds, arity, exc, empty):
             return
         if not empty and operands[0].numel() == 0:
             return
-        dtype = torch.result_type(*operands) if len(operands) == 2 else operands[0].dtype
+        dtype = operands[0].dtype if len(operands) == 1 else elementwise_dtypes(
+            *operands, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)[1]
         if _kind(dtype) in kinds or dtype in kinds:
             op = name.split("::")[1].split(".")[0]
             raise _meta_error(name, args) or exc(f'"{op}" not implemented for \'{dtype_name(dtype)}\'')
@@ -107,7 +109,7 @@ for _name in ("amax.default", "amin.default", "heaviside.default", "neg.default"
               "nan_to_num.default"):
     if (_low := _lowering("aten::" + _name)) is not None:
         _low.exact_out = True
-refuse(("bool",), "aten::addcmul.default")
+refuse(("bool",), "aten::addcmul.default", arity=3)
 refuse(("bool", "int"), "aten::uniform_.default", "aten::normal_.default")
 refuse(("bool", "int"), "aten::_adaptive_avg_pool2d.default", "aten::_adaptive_avg_pool3d.default")
 refuse(("bool", "int"), "aten::var.correction", "aten::std.correction", "aten::var_mean.correction",
