@@ -148,6 +148,8 @@ def _axis(x, dim):
 @lowering("aten::_softmax.default", opmath=True)
 def softmax(x, dim, half_to_float=False):
     x = x.astype(jnp.float32) if half_to_float else x
+    if x.size == 0:  # the CPU returns before looking at the dtype (bool, integers)
+        return x
     if x.ndim == 0:
         return jnp.exp(x - x)  # 1, or nan for inf/nan as PyTorch computes it
     return jax.nn.softmax(x, axis=dim)
@@ -160,6 +162,8 @@ def log_softmax(x, dim, half_to_float=False):
     inner = x.ndim > 0 and dim % x.ndim != x.ndim - 1
     if half_to_float or (inner and x.dtype in HALF_TYPES):
         x = x.astype(jnp.float32)
+    if x.size == 0:  # as softmax
+        return x
     if x.ndim == 0:
         return x - x
     return jax.nn.log_softmax(x, axis=dim)
