@@ -389,6 +389,12 @@ FUZZ_CASES = {
     "sort_stable_0dim": lambda d: torch.sort(_t(d, 3.0), stable=True, dim=-1),
     "addcmul_bool_self_float_tensor": lambda d: torch.addcmul(_t(d, True), _t(d, True), _t(d, 2.0), value=0.5),
     "addcmul_bool": lambda d: torch.addcmul(_t(d, [True]), _t(d, [True]), _t(d, [False])),
+    "index_put_too_many_indices": lambda d: torch.index_put(
+        _t(d, 1.0), [_t(d, [0, 0, 0])], torch.ones(2, 2, device=d)),
+    "index_put_too_many_indices_1d": lambda d: torch.index_put(
+        torch.ones(2, device=d), [_t(d, [0]), _t(d, [0])], _t(d, [1.0])),
+    "index_put_mask_too_many_dims": lambda d: torch.index_put(
+        torch.ones(2, device=d), [torch.ones(2, 1, dtype=torch.bool, device=d)], _t(d, [1.0])),
     "softmax_empty_bool_int": lambda d: [f(torch.ones(2, 0, 3, dtype=t, device=d), -3) for f, t in (
         (torch.softmax, torch.bool), (torch.softmax, torch.int64), (torch.log_softmax, torch.int64))],
 }

@@ -249,6 +249,11 @@ def _advanced_index(x, indices):
 
 
 def _check_index(x, indices):
+    # A bool/uint8 mask stands for as many dims as it has.
+    dims = sum(i.dim() if i is not None and i.dtype in (torch.bool, torch.uint8) else 1
+               for i in indices)
+    if dims > x.dim():
+        raise IndexError(f"too many indices for tensor of dimension {x.dim()} (got {dims})")
     for d, i in enumerate(indices):
         if i is not None and i.numel() and d < x.dim() and x.shape[d] == 0:
             raise IndexError("index is out of bounds for dimension with size 0")
