@@ -395,6 +395,15 @@ FUZZ_CASES = {
         torch.ones(2, device=d), [_t(d, [0]), _t(d, [0])], _t(d, [1.0])),
     "index_put_mask_too_many_dims": lambda d: torch.index_put(
         torch.ones(2, device=d), [torch.ones(2, 1, dtype=torch.bool, device=d)], _t(d, [1.0])),
+    "scatter_add_0dim_self_index_1": lambda d: _t(d, 1.0, _f64).scatter_add(0, _t(d, 1), _t(d, 2.0, _f64)),
+    "gather_0dim_self_index_minus_1": lambda d: torch.gather(_t(d, 1.0), -1, _t(d, -1)),
+    "gather_0dim_self_index_0": lambda d: torch.gather(_t(d, 1.0), -1, _t(d, 0)),
+    "scatter_0dim_self_index_2": lambda d: _t(d, 1.0).scatter(0, _t(d, [2]), 5.0),
+    "binary_cross_entropy_bool_target": lambda d: F.binary_cross_entropy(
+        _t(d, [[0.5], [0.25]], _f64), _t(d, [[True], [False]]), reduction="none"),
+    "binary_cross_entropy_float64_target": lambda d: F.binary_cross_entropy(_t(d, [0.5]), _t(d, [1.0], _f64)),
+    "scatter_reduce_mean_bool": lambda d: torch.zeros(0, 3, dtype=torch.bool, device=d).scatter_reduce(
+        -1, torch.zeros(0, 3, dtype=torch.int64, device=d), torch.zeros(0, 3, dtype=torch.bool, device=d), "mean"),
     "softmax_empty_bool_int": lambda d: [f(torch.ones(2, 0, 3, dtype=t, device=d), -3) for f, t in (
         (torch.softmax, torch.bool), (torch.softmax, torch.int64), (torch.log_softmax, torch.int64))],
 }

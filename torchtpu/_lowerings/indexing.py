@@ -26,9 +26,11 @@ def check_index(idx, size, message="index out of range", exc_type=IndexError, ne
 
 
 def _check_scatter_index(idx, x, dim):
-    # gather/scatter raise RuntimeError on the CPU (index_select & co. raise IndexError)
-    check_index(idx, x.shape[dim], f"index is out of bounds for dimension {dim} with size "
-                f"{x.shape[dim]}", RuntimeError, negative=False)
+    # gather/scatter raise RuntimeError on the CPU (index_select & co. raise IndexError); a
+    # 0-dim self has one element along its one dim.
+    size = x.shape[dim] if x.ndim else 1
+    check_index(idx, size, f"index is out of bounds for dimension {dim} with size {size}",
+                RuntimeError, negative=False)
 
 
 def _wrap(idx, size):
@@ -73,6 +75,7 @@ def _gather(x, dim, index, sparse_grad=False):
     if index.size == 0:
         return jnp.zeros(index.shape, x.dtype)
     if x.ndim == 0:
+        _check_scatter_index(index, x, 0)
         return x.reshape(index.shape)
     dim = dim % x.ndim
     _check_scatter_index(index, x, dim)
@@ -97,6 +100,7 @@ def scatter(x, dim, index, src):
     if index.size == 0:  # PyTorch allows any empty index, even of another rank
         return x
     if x.ndim == 0:
+        _check_scatter_index(index, x, 0)
         return jnp.asarray(src, x.dtype).reshape(()) if jnp.ndim(src) == 0 else src.reshape(())
     _check_scatter_index(index, x, dim)
     if jnp.ndim(src) > 0:
@@ -125,13 +129,20 @@ def scatter_add(x, dim, index, src):
     if index.size == 0:
         return x
     if x.ndim == 0:
+        _check_scatter_index(index, x, 0)
         return x + src.reshape(())
     _check_scatter_index(index, x, dim)
     src = src[tuple(slice(0, n) for n in index.shape)]
     return x.at[_scatter_indices(x, dim, index)].add(src)
 
 
-@lowering("aten::scatter_reduce.two")
+def _check_scatter_reduce(x, dim, index, src, reduce, *rest):
+    if reduce == "mean" and x.dtype == torch.bool:
+        raise NotImplementedError(
+            "\"scatter_gather_tensor_cpu_reduce_mean\" not implemented for 'Bool'")
+
+
+@lowering("aten::scatter_reduce.two", validate=_check_scatter_reduce)
 @_one_dim_index
 @_bool_via_int(0, 3)
 def scatter_reduce(x, dim, index, src, reduce, include_self=True):

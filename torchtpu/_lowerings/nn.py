@@ -19,6 +19,7 @@ import torch
 from jax import lax
 
 from .._core.registry import HALF_TYPES, Promote, lowering
+from .meta import dtype_name
 
 
 def _float(x):
@@ -301,7 +302,12 @@ def nll_loss_backward(grad, x, target, weight, reduction, ignore_index, total_we
     return jax.vjp(f, x)[1](grad.astype(x.dtype))[0]
 
 
-@lowering("aten::binary_cross_entropy.default", opmath=True)
+def _check_bce(x, target, *rest):
+    if target.dtype != x.dtype:
+        raise RuntimeError(f"Found dtype {dtype_name(target.dtype)} but expected {dtype_name(x.dtype)}")
+
+
+@lowering("aten::binary_cross_entropy.default", opmath=True, validate=_check_bce)
 def binary_cross_entropy(x, target, weight=None, reduction=1):
     from .._core.registry import check
     # The CPU kernel's check of the values (CUDA's is a device assert).
