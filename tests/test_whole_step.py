@@ -19,7 +19,8 @@ _COMPILES = ("compiles", "segment_compiles", "graph_compiles", "tpu_graph_compil
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     # Earlier tests' compiled optimizer steps must not leak in: Dynamo tracing a foreach
-    # AdamW step after a fused one in the same process fails (test_compile's xfail).
+    # AdamW step after a fused one in the same process can fail ("Expected scalars to be on
+    # CPU, got meta"; open, not yet understood, present before the one-executable step).
     torch._dynamo.reset()
     yield
 
