@@ -404,6 +404,9 @@ FUZZ_CASES = {
     "binary_cross_entropy_float64_target": lambda d: F.binary_cross_entropy(_t(d, [0.5]), _t(d, [1.0], _f64)),
     "scatter_reduce_mean_bool": lambda d: torch.zeros(0, 3, dtype=torch.bool, device=d).scatter_reduce(
         -1, torch.zeros(0, 3, dtype=torch.int64, device=d), torch.zeros(0, 3, dtype=torch.bool, device=d), "mean"),
+    "nansum_complex_dtype": lambda d: torch.nansum(torch.ones(4, 4, dtype=_f64, device=d), dtype=torch.complex64),
+    "nansum_complex": lambda d: torch.nansum(_t(d, [1j])),
+    "bce_with_logits_complex": lambda d: F.binary_cross_entropy_with_logits(_t(d, [0.5j]), _t(d, [1j])),
     "softmax_empty_bool_int": lambda d: [f(torch.ones(2, 0, 3, dtype=t, device=d), -3) for f, t in (
         (torch.softmax, torch.bool), (torch.softmax, torch.int64), (torch.log_softmax, torch.int64))],
 }

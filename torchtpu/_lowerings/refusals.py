@@ -61,6 +61,20 @@ def _lowering(name):
     return None if op is None else TABLE.get(op)
 
 
+def _also(name, check):
+    """Run `check` after the lowering's own validate (and refusals)."""
+    low = _lowering(name)
+    if low is None:
+        return
+    previous = low.validate
+
+    def validate(*args):
+        if previous is not None:
+            previous(*args)
+        check(*args)
+    low.validate = validate
+
+
 def refuse(kinds, *names, arity=1, exc=NotImplementedError, empty=True):
     """The lowerings of `names` (aten overloads) refuse `kinds` of dtype ("bool", "int",
     "float", "complex", or a torch dtype), as the CPU does, after its shape checks;
@@ -126,8 +140,7 @@ def _check_max_pool2d(x, *rest):
         raise RuntimeError("non-empty 3D or 4D (batch mode) tensor expected for input")
 
 
-if (_low := _lowering("aten::max_pool2d_with_indices.default")) is not None:
-    _low.validate = _check_max_pool2d
+_also("aten::max_pool2d_with_indices.default", _check_max_pool2d)
 refuse(("bool",), "aten::max_pool2d_with_indices.default", "aten::dot.default")
 refuse(("bool", "int"), "aten::mse_loss.default", arity=2)
 refuse(("bool", "int", "complex"), "aten::binary_cross_entropy.default", arity=2)
@@ -136,3 +149,12 @@ refuse(("bool", torch.int8, torch.int16, torch.int32, torch.int64),
                                        "upsample_nearest3d", "_upsample_nearest_exact1d",
                                        "_upsample_nearest_exact2d", "_upsample_nearest_exact3d")
          for ov in ("default", "vec")))
+refuse(("complex",), "aten::log_sigmoid_forward.default", "aten::log_sigmoid.default")
+
+
+def _check_nansum_dtype(x, dim=None, keepdim=False, dtype=None, *rest):
+    if dtype is not None and dtype.is_complex:  # (complex input: refused above)
+        raise NotImplementedError(f'"nansum_cpu" not implemented for \'{dtype_name(dtype)}\'')
+
+
+_also("aten::nansum.default", _check_nansum_dtype)
