@@ -66,6 +66,11 @@ PATCHES = [
     Patch("torch.optim's global optimizer step pre hook",
           "SGD momentum buffers exist before the first step, which then compiles as every later one",
           "_execution/optimizer_state.install(), at import"),
+    Patch("accelerate.state.PartialState.default_device (through a sys.meta_path finder)",
+          "accelerate knows a fixed list of device types and would keep the Trainer's batches "
+          "on the CPU while its model is on tpu; it picks tpu where it would pick the CPU",
+          "torchtpu_autoload._install_accelerate_hook(), at import torch: accelerate.state is "
+          "patched when it is imported"),
 ]
 
 

@@ -21,8 +21,7 @@ from jax import lax
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .._core.dtypes import cast, to_jax_dtype, to_torch_dtype
-from .._core import registry
-from .._core.registry import TABLE, Promote, lowering
+from .._core.registry import TABLE, Promote, bind, lowering, parameters
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -204,8 +203,8 @@ def _call_lowering(node, target, args, kwargs):
     if low is None or low.random or low.eager or target._schema.is_mutable:
         raise NotImplementedError(f"no tpu lowering for {target} (needed by a decomposition)")
     schema = resolved._schema if resolved is not target else target._schema
-    params = registry.parameters(target)
-    vals = [v for v, (_, _, is_out) in zip(registry.bind(params, args, kwargs), params) if not is_out]
+    params = parameters(target)
+    vals = [v for v, (_, _, is_out) in zip(bind(params, args, kwargs), params) if not is_out]
     kinds = [str(a.type) for a in schema.arguments if not a.is_out]
     out_meta = _meta_of(node)
     promote = low.promote if target.namespace == "aten" else Promote.NONE
