@@ -259,3 +259,25 @@ def test_an_executable_is_loaded_onto_the_device_it_was_built_for(tmp_path):
     expected = ((torch.arange(12.).view(3, 4) * 2 + 1).sum(0)[1:]).tolist()
     assert cold == warm == f"{expected} {expected}"
     assert warm_metrics[1] > 0 and warm_metrics[0] < cold_metrics[0]
+
+
+LINALG = r"""
+import torch, torchtpu
+torch.manual_seed(0)
+a = torch.randn(3, 3, dtype=torch.float64)
+spd = a @ a.T + 3 * torch.eye(3, dtype=torch.float64)
+for f, x in ((torch.linalg.inv, a), (torch.det, a), (torch.linalg.cholesky, spd),
+             (lambda m: torch.linalg.eigh(m)[0], spd)):
+    torch.testing.assert_close(f(x.to("tpu")).cpu(), f(x))
+print("OK")
+"""
+
+
+def test_linear_algebra_from_a_warm_cache_runs(tmp_path):
+    # XLA:CPU crashes running a deserialized executable with a custom call (LAPACK), so
+    # those are never stored: the second process must compute the same, not segfault.
+    env = {**os.environ, "TORCHTPU_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": ROOT}
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", LINALG], env=env, cwd=ROOT,
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0 and "OK" in run.stdout, (run.returncode, run.stderr[-2000:])

@@ -34,7 +34,7 @@ import torch
 
 from .._core import metrics
 
-_FORMAT = 2
+_FORMAT = 3
 _store = None
 _static = None
 _writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torchtpu-cache-writer")
@@ -193,7 +193,9 @@ class Executable:
         counters["xla_compile_seconds"] += t3 - t2
         counters["executables_compiled"] += 1
         self._note_build(sig, loaded=False)
-        if entry_key is not None:
+        if entry_key is not None and "custom_call" not in lowered.as_text():
+            # Not stored with a custom call (LAPACK's, ...): XLA:CPU runs such an executable
+            # after deserializing it into a segfault (linalg.inv from a warm cache).
             extra = None if self.traced is None else self.traced[0]()
             _writer.submit(_save, _store, entry_key, compiled, extra)
         return compiled
