@@ -218,8 +218,8 @@ def test_the_report_splits_compile_time_and_names_rebuilt_programs(eager_mode):
         a = torch.arange(float(n), device="tpu")
         (a * 2 + 1).exp().cpu()
     counters = torchtpu.metrics()
-    assert counters["executables_compiled"] + counters.get("executables_loaded", 0) >= 2
-    built = counters["executables_compiled"] > 0
+    assert counters.get("executables_compiled", 0) + counters.get("executables_loaded", 0) >= 2
+    built = counters.get("executables_compiled", 0) > 0
     assert not built or counters["xla_compile_seconds"] > 0 and counters["trace_seconds"] > 0
     report = torchtpu.metrics_report()
     assert "Executables built more than once" in report
