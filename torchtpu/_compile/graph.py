@@ -209,7 +209,6 @@ class Captured:
         return outs if self.returns_sequence else outs[0]
 
 
-
 class CompiledGraph:
     """The callable a compiler hands back to AOTAutograd (boxed: takes a list of inputs)."""
 
