@@ -137,7 +137,7 @@ class DeviceBuffer:
         a = self.array
         if a is None:
             itemsize = jnp.dtype(self.dtype).itemsize
-            a = self.array = _zeros(self.nbytes // itemsize, jnp.dtype(self.dtype), self.index)()
+            a = self.array = zeros(self.nbytes // itemsize, jnp.dtype(self.dtype), self.index)()
         return a
 
 
@@ -147,6 +147,12 @@ def _zeros(n, dtype, index):
     like the op executables: one per storage size would otherwise grow without end."""
     return jax.jit(lambda: jnp.zeros((n,), dtype), out_shardings=jax.sharding.SingleDeviceSharding(
         runtime.jax_device(index)))
+
+
+# What makes those zeros; _execution.dispatch.install puts in executables.zeros, which the
+# persistent executable cache keeps (a restart loads them: an optimizer's state made by
+# zeros_like is ~10 sizes of ~25 ms compiles each).
+zeros = _zeros
 
 
 def retype_loaded(buf, dtype):

@@ -7,7 +7,8 @@ a special kernel never does, though the table may hold it (`copy_`, the in-place
 `aten::copy`, also moves data between devices; masks turn boolean indices into integer ones
 before the table's `index`).
 """
-from . import composite, kernels, masks, transfer, views
+from .._core import storage
+from . import composite, executables, kernels, masks, transfer, views
 
 SPECIAL_MODULES = (views, transfer, masks, composite)
 
@@ -21,6 +22,7 @@ def special_kernels():
 
 
 def install(lib):
+    storage.zeros = executables.zeros  # unwritten storages' zeros, kept across processes too
     special = special_kernels()
     for op, kernel in special.items():
         lib.impl(op, kernel, "PrivateUse1")

@@ -22,6 +22,7 @@ cache_load_seconds, with executables_compiled / executables_loaded; `metrics.bui
 per program, the signatures it was built for, which the report lists for those built twice.
 """
 import concurrent.futures
+import functools
 import hashlib
 import os
 import pickle
@@ -32,7 +33,7 @@ import time
 import jax
 import torch
 
-from .._core import metrics
+from .._core import metrics, runtime
 
 _FORMAT = 3
 _store = None
@@ -44,6 +45,7 @@ _NOT_PROGRAM = ("TORCHTPU_CACHE_DIR", "TORCHTPU_CACHE_MAX_BYTES", "TORCHTPU_METR
 
 
 _local = threading.local()
+_counters_lock = threading.Lock()
 
 
 def compiling_ours():
@@ -108,9 +110,22 @@ def stable(value):
 def _leaf_signature(x):
     if isinstance(x, jax.Array):
         return (tuple(x.shape), str(x.dtype), x.aval.weak_type, repr(x.sharding))
+    if isinstance(x, jax.ShapeDtypeStruct):  # an array still being computed (async_compile)
+        return (tuple(x.shape), str(x.dtype), x.weak_type, repr(x.sharding))
     if hasattr(x, "shape") and hasattr(x, "dtype"):  # numpy
         return (type(x).__name__, tuple(x.shape), str(x.dtype))
     return type(x).__name__
+
+
+def _aval(x):
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.core.ShapedArray(x.shape, x.dtype, weak_type=x.weak_type)
+    return jax.typeof(x)
+
+
+def _devices(x):
+    sharding = getattr(x, "sharding", None)  # None: a Python number, placed with the others
+    return None if sharding is None else sharding.device_set
 
 
 def signature(args):
@@ -126,7 +141,8 @@ class Executable:
     report; `traced`: (save, restore) of what tracing learns besides the program (an op's
     index-check messages): save() is stored with the entry, restore(value) runs on a load."""
 
-    __slots__ = ("jitted", "key", "name", "describe", "traced", "first", "built", "lock")
+    __slots__ = ("jitted", "key", "name", "describe", "traced", "last", "built", "lock",
+                 "compiling")
 
     def __init__(self, fn, key, name, describe=None, traced=None, **options):
         self.jitted = jax.jit(fn, **options)
@@ -134,15 +150,18 @@ class Executable:
         self.name = name
         self.describe = describe
         self.traced = traced
-        self.first = None  # the executable of the first signature: the call's fast path
+        # The executable of the latest signature used: the call's fast path (a chain of ops
+        # that starts from a flat storage, e.g. randn's, then goes on with shaped ones).
+        self.last = None
         self.built = {}    # signature -> jax.stages.Compiled
+        self.compiling = {}  # signature -> Future of the Compiled, while a worker builds it
         self.lock = threading.Lock()
 
     def __call__(self, *args):
-        first = self.first
-        if first is not None:
+        last = self.last
+        if last is not None:
             try:
-                return first(*args)
+                return last(*args)
             except (TypeError, ValueError):
                 # Arguments of another signature (refused before running anything: another
                 # shape is a TypeError, another device a ValueError); a real error is raised
@@ -158,46 +177,106 @@ class Executable:
         sig = signature(args)
         compiled = self.built.get(sig)
         if compiled is None:
-            with self.lock:
-                compiled = self.built.get(sig)
-                if compiled is None:
-                    compiled = self._build(args, sig)
-                    self.built[sig] = compiled
-                    if self.first is None:
-                        self.first = compiled
+            compiled = self._start(args, sig, pool=None)
+            if isinstance(compiled, concurrent.futures.Future):
+                compiled = compiled.result()
+        self.last = compiled
         return compiled
 
-    def _build(self, args, sig):
-        entry_key = None
-        if _store is not None and self.key is not None:
-            digest = hashlib.sha256(f"{fingerprint()}\n{self.key}\n{sig!r}".encode()).hexdigest()
-            entry_key = f"torchtpu-{self.name.split('(')[0][:40]}-{digest}"
-            compiled = self._load(entry_key)
+    def start(self, args, pool):
+        """The executable for `args` (arrays, or `jax.ShapeDtypeStruct`s of arrays still being
+        computed) if it is built or in the store; else trace it on this thread (so an error
+        of the lowering raises at the call) and return a Future of its lowering and XLA
+        compile on `pool`."""
+        sig = signature(args)
+        compiled = self.built.get(sig) or self._accepting(args)
+        if compiled is None:
+            return self._start(args, sig, pool)
+        if not isinstance(compiled, concurrent.futures.Future):
+            self.last = compiled
+        return compiled
+
+    def _accepting(self, args):
+        """An executable, built or being built, that JAX would run on `args` though their
+        signature differs: it was built for a Python float where these hold a weakly typed
+        scalar array (strict eager passes a number the first time it sees it and a device
+        array after), which the fast path of __call__ accepts too."""
+        if not (self.built or self.compiling):
+            return None
+        leaves = jax.tree_util.tree_leaves(args)
+        avals = [_aval(a) for a in leaves]
+        devices = [_devices(a) for a in leaves]
+        for candidate in list(self.built.values()) + list(self.compiling.values()):
+            if isinstance(candidate, concurrent.futures.Future):
+                their_avals, their_devices = candidate.in_avals, candidate.devices
+            else:
+                their_avals = jax.tree_util.tree_leaves(candidate.in_avals)
+                their_devices = [s.device_set for s in jax.tree_util.tree_leaves(candidate.input_shardings)]
+            if their_avals == avals and all(d is None or e is None or d == e
+                                            for d, e in zip(devices, their_devices)):
+                return candidate
+        return None
+
+    def _start(self, args, sig, pool):
+        with self.lock:
+            compiled = self.built.get(sig) or self.compiling.get(sig)
             if compiled is not None:
-                self._note_build(sig, loaded=True)
                 return compiled
-        counters = metrics.counters
+            entry_key = None
+            if _store is not None and self.key is not None:
+                digest = hashlib.sha256(f"{fingerprint()}\n{self.key}\n{sig!r}".encode()).hexdigest()
+                entry_key = f"torchtpu-{self.name.split('(')[0][:40]}-{digest}"
+                compiled = self._load(entry_key)
+                if compiled is not None:
+                    self._note_build(sig, loaded=True)
+                    self._keep(sig, compiled)
+                    return compiled
+            counters = metrics.counters
+            t0 = time.perf_counter()
+            traced = self.jitted.trace(*args)
+            counters["trace_seconds"] += time.perf_counter() - t0
+            counters["executables_compiled"] += 1
+            self._note_build(sig, loaded=False)
+            if pool is None:
+                compiled = self._compile(traced, sig, entry_key)
+                self._keep(sig, compiled)
+                return compiled
+            # Lowered by the worker too: what the lowering refuses, the trace already raised.
+            future = self.compiling[sig] = pool.submit(self._compile_in_worker, traced, sig, entry_key)
+            future.out_info = traced.out_info  # what its results will be, known before they are
+            future.in_avals = jax.tree_util.tree_leaves(traced.in_avals)  # see _accepting
+            future.devices = [_devices(a) for a in jax.tree_util.tree_leaves(args)]
+            return future
+
+    def _keep(self, sig, compiled):
+        self.built[sig] = compiled
+        if self.last is None:
+            self.last = compiled
+
+    def _compile_in_worker(self, traced, sig, entry_key):
+        try:
+            compiled = self._compile(traced, sig, entry_key)
+            with self.lock:
+                self._keep(sig, compiled)
+        finally:
+            self.compiling.pop(sig, None)
+        return compiled
+
+    def _compile(self, traced, sig, entry_key):
         t0 = time.perf_counter()
-        traced = self.jitted.trace(*args)
-        t1 = time.perf_counter()
         lowered = traced.lower()
-        t2 = time.perf_counter()
+        t1 = time.perf_counter()
         _local.ours = True
         try:
             compiled = lowered.compile()
         finally:
             _local.ours = False
-        t3 = time.perf_counter()
-        counters["trace_seconds"] += t1 - t0
-        counters["lower_seconds"] += t2 - t1
-        counters["xla_compile_seconds"] += t3 - t2
-        counters["executables_compiled"] += 1
-        self._note_build(sig, loaded=False)
-        if entry_key is not None and "custom_call" not in lowered.as_text():
-            # Not stored with a custom call (LAPACK's, ...): XLA:CPU runs such an executable
-            # after deserializing it into a segfault (linalg.inv from a warm cache).
+        with _counters_lock:  # workers compile at once
+            metrics.counters["lower_seconds"] += t1 - t0
+            metrics.counters["xla_compile_seconds"] += time.perf_counter() - t1
+        if entry_key is not None:
             extra = None if self.traced is None else self.traced[0]()
-            _writer.submit(_save, _store, entry_key, compiled, extra)
+            _writer.submit(_save, _store, entry_key, compiled, extra, lowered)
         return compiled
 
     def _load(self, entry_key):
@@ -238,7 +317,12 @@ def _describe_signature(sig):
                     for s in sig[1])
 
 
-def _save(store, entry_key, compiled, extra):
+def _save(store, entry_key, compiled, extra, lowered):
+    # Not stored with a custom call (LAPACK's, ...): XLA:CPU runs such an executable after
+    # deserializing it into a segfault (linalg.inv from a warm cache).  Looked for here, on
+    # the writer's thread: printing a large program takes the compiling thread's time.
+    if "custom_call" in lowered.as_text():
+        return
     try:
         from jax.experimental import serialize_executable
         payload, in_tree, out_tree = serialize_executable.serialize(compiled)
@@ -275,3 +359,12 @@ def remember(name, key, value):
 def wait_for_writes():
     """Block until every entry queued so far is written (tests, benchmarks)."""
     _writer.submit(lambda: None).result()
+
+
+@functools.lru_cache(maxsize=256)
+def zeros(n, dtype, index):
+    """The executable making n zeros on a device, for a storage read before it was written
+    (storage.zeros); bounded like storage._zeros."""
+    import jax.numpy as jnp
+    return Executable(lambda: jnp.zeros((n,), dtype), stable(("zeros", n, str(dtype), index)),
+                      "zeros", out_shardings=jax.sharding.SingleDeviceSharding(runtime.jax_device(index)))
