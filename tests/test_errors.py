@@ -430,6 +430,13 @@ def test_failing_ops_leave_inputs_and_out_unchanged():
     with raises_by_sync(RuntimeError):
         i.floor_divide_(torch.tensor([1, 0], device="tpu"))
     assert i.cpu().tolist() == [5, 7]
+    # A device-side check of an op whose out= it resizes raises at the call, as on the CPU,
+    # and out keeps its layout (the fuzzer's seed 0, call 33).
+    out = torch.empty(0, device="tpu")
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        torch.fmod(torch.tensor([1, 2], dtype=torch.int32, device="tpu"),
+                   torch.tensor([0, 1], dtype=torch.int32, device="tpu"), out=out)
+    assert out.shape == (0,)
 
 
 def test_huge_allocations_raise_and_the_device_keeps_working():

@@ -42,7 +42,7 @@ EAGER_ROUNDING = {"xla_allow_excess_precision": False}
 
 class _Trace:
     __slots__ = ("device", "signature", "where", "ext_arrays", "ext_ids", "scalars", "pendings",
-                 "captured", "in_backward", "ran_backward", "resized", "ext_buffers")
+                 "captured", "in_backward", "ran_backward", "ext_buffers")
 
     def __init__(self, device):
         self.device = device
@@ -55,7 +55,6 @@ class _Trace:
         self.captured = False  # taken over by torch.compile: never flushed
         self.in_backward = False  # recording the ops of a backward pass (the autograd engine's)
         self.ran_backward = False  # it recorded one
-        self.resized = {}  # op index -> the out= tensors it resized, with their old layouts
         # torch.tpu graphs: per external array, the storage it was read from (replay reads the
         # storage's value then); inputs are told apart by storage, not by array.
         self.ext_buffers = None
@@ -424,7 +423,7 @@ class Segment:
                 None if self.key is None else f"{self.key} donating {donate}", self.name,
                 traced=(self._checks_info, self._restore_checks_info),
                 donate_argnums=(0,) if any(donate) else (), compiler_options=EAGER_ROUNDING)
-            with _donation_warnings_ignored():
+            with donation_warnings_ignored():
                 fn.prepare(*_split(ext_arrays, donate), packed_scalars)
             self.executables[donate] = fn
             if self.patterns is not None and donate not in self.patterns:
@@ -449,7 +448,7 @@ class Segment:
         try:
             fn = self.compile(ext_arrays, donate, packed_scalars)
             donated, kept = _split(ext_arrays, donate)
-            with _donation_warnings_ignored():
+            with donation_warnings_ignored():
                 results, checks = fn(donated, kept, packed_scalars)
             metrics.counters["donated_buffers"] += len(donated)
         finally:
@@ -480,7 +479,7 @@ class Segment:
 
 
 @contextlib.contextmanager
-def _donation_warnings_ignored():
+def donation_warnings_ignored():
     # Donating a freed array that no output can reuse is harmless; JAX warns anyway.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Some donated buffers were not usable")
@@ -544,13 +543,6 @@ def first_failed_check(checks):
     return None
 
 
-def note_resized(layouts):
-    """The op just recorded resized its out= tensors (PyTorch's rule, applied at the call): if
-    it fails when its segment runs, they get their old layouts back."""
-    if _trace is not None and _trace.signature:  # else its segment already ran
-        _trace.resized[len(_trace.signature) - 1] = layouts
-
-
 def _replay_and_raise(tr, reason):
     """Something in the segment failed: run its ops one at a time, as strict eager would have,
     keep the results of those before the failing op, and raise that op's error naming it and
@@ -569,10 +561,8 @@ def _replay_and_raise(tr, reason):
             error = debug.attributed(
                 e, kernel.overload, debug.describe_key(compiled.key), where,
                 note=f"\n  (a fused op: it ran when its segment was flushed, because of {reason})")
-            # The failing op's own in-place targets keep the value (and out= the layout) they
-            # had before it.
-            for t, shape, stride, offset in tr.resized.get(i, ()):
-                t.as_strided_(shape, stride, offset)
+            # The failing op's own in-place targets keep the value they had before it (an op
+            # that resized its out= ran at its call: OpKernel.__call__).
             n_out = len(compiled.wrap_specs)
             slots.extend([None] * n_out)
             slots.extend(ins[j] for j in compiled.writes)

@@ -24,7 +24,7 @@ from .._core import runtime, storage
 from .._core.dtypes import cast, to_jax_dtype, to_torch_dtype
 from .._core import registry
 from .._lowerings.meta import dtype_name
-from . import bounded, debug, executables, fused, modes, overlap, strided, sync
+from . import async_compile, bounded, debug, executables, fused, modes, overlap, strided, sync
 from .._core import metrics
 from .._core.metrics import FlushReason
 from .random import next_key_parts, key_from_parts
@@ -32,6 +32,7 @@ from .random import next_key_parts, key_from_parts
 _T, _TOPT, _TLIST, _SCALAR, _STATIC, _DEVICE, _SCALARLIST = range(7)
 _meta_device = torch.device("meta")
 _FUSED, _BLOCKING = modes.EagerMode.DEFER_AND_FUSE, modes.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
+_STRICT = modes.EagerMode.DEFER_NEVER
 
 
 class _Arg:
@@ -126,17 +127,18 @@ class OpKernel:
             return self._call(args, kwargs)
         except _OutResized as resized:
             try:
-                result = self._call(args, kwargs)
-                if modes.fused and not self.low.eager:
-                    fused.note_resized(resized.args[0])
-                return result
+                # Run at once and waited for, as in debug mode: a device-side check that fails
+                # (an integer fmod by zero) must raise here, while the out= tensors can still
+                # get their old layouts back, not at a later wait (PyTorch checks before it
+                # resizes).  Only ops whose out= is resized pay this wait.
+                return self._call(args, kwargs, mode=None if fused.capturing() else _BLOCKING)
             except BaseException:
                 # A failing op leaves its out= as it was (PyTorch checks before resizing).
                 for t, shape, stride, offset in resized.args[0]:
                     t.as_strided_(shape, stride, offset)
                 raise
 
-    def _call(self, args, kwargs):
+    def _call(self, args, kwargs, mode=None):
         vals = self.bind(args, kwargs)
         if self.low.validate is not None:
             self.low.validate(*[vals[i] for i in self.functional_args])
@@ -179,7 +181,8 @@ class OpKernel:
             device = runtime.current_device()
         if not buffers:
             key.append(torch.get_default_dtype())
-        mode = modes.get_eager_mode()
+        if mode is None:
+            mode = modes.get_eager_mode()
         fused_mode = mode is _FUSED
         if scalars and not fused_mode:
             scalars = [_device_scalar(v, device) for v in scalars]
@@ -205,24 +208,33 @@ class OpKernel:
             if not self.low.eager:
                 return fused.record(self, compiled, vals, buffers, scalars, device)
             fused.flush(FlushReason.DATA_DEPENDENT, self.overload)
+        if mode is _STRICT and async_compile.enabled() and not self.low.eager:
+            metrics.counters[self.metric_key] += 1
+            return async_compile.run(self, compiled, vals, buffers, scalars, device)
+        if mode is _BLOCKING:
+            async_compile.drain()  # debug mode runs every op in order, at its call
         arrays = [b.value() for b in buffers]
         if self.low.eager:
             return self._run_eager(compiled, vals, arrays, buffers, scalars, device)
         metrics.counters[self.metric_key] += 1
         if mode is _BLOCKING:
             outs, updated, checks = self._run_blocking(compiled, vals, arrays, scalars)
-        else:
-            outs, updated, checks = compiled.fn(*arrays, *scalars)
-        if checks:
-            if mode is _BLOCKING:
+            if checks:
                 self._raise_failed_checks(compiled, checks)
-            else:
-                self._defer_checks(compiled, checks)
+            return self._commit(compiled, vals, outs, updated, buffers, device)
+        return self.finish(compiled, vals, compiled.fn(*arrays, *scalars), buffers, device)
+
+    def finish(self, compiled, vals, results, buffers, device):
+        """Defer the checks of a strict op that ran, and give its results their tensors."""
+        outs, updated, checks = results
+        if checks:
+            self._defer_checks(compiled, checks)
         return self._commit(compiled, vals, outs, updated, buffers, device)
 
-    def _defer_checks(self, compiled, checks):
+    def _defer_checks(self, compiled, checks, where=None):
         """Read `checks` at the next wait of the host, not now (sync.defer)."""
-        where = debug.user_frame(3)
+        if where is None:
+            where = debug.user_frame(3)
         sync.defer(checks, lambda values: debug.failed_check(
             values, compiled, self.overload, where, "its in-place targets kept their values"))
 

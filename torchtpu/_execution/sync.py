@@ -29,6 +29,18 @@ _checks = collections.deque()
 _failed = []  # an error found while trimming the queue, raised at the next wait
 _lock = threading.Lock()
 _MAX_CHECKS = 256  # beyond this, checks that are done are read (no wait) to free them
+# Work queued behind compiles (async_compile.drain), run before the host waits: its checks
+# must be read at this wait, and what an Event or synchronize() waits for must be dispatched.
+_before_wait = []
+
+
+def before_wait(fn):
+    _before_wait.append(fn)
+
+
+def _dispatch_queued():
+    for fn in _before_wait:
+        fn()
 
 
 def track(array):
@@ -42,6 +54,7 @@ def _live(array):
 
 
 def synchronize(index=None):
+    _dispatch_queued()
     pending = [r() for r in _recent]
     _recent.clear()
     for a in pending:
@@ -52,6 +65,7 @@ def synchronize(index=None):
 
 def pending():
     """The live outputs of recently dispatched work (what an Event waits for)."""
+    _dispatch_queued()
     return [a for a in (r() for r in _recent) if _live(a)]
 
 
@@ -74,6 +88,7 @@ def _ready(arrays):
 def wait():
     """The host waits here (it reads a value; counted): raise the first failed deferred check."""
     metrics.counters["blocking_waits"] += 1
+    _dispatch_queued()
     if not _checks and not _failed:
         return
     with _lock:
