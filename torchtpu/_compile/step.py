@@ -127,7 +127,7 @@ class _Captured:
 
     def replay(self, flat):
         inputs = {k: graph._buffer(flat[i]) for k, i in self.arguments}
-        self.graph.replay(inputs)
+        self.graph.replay(inputs, checked=True)  # WholeStep.__call__ compared the hyperparameters
         outs = []
         for kind, v in self.outputs:
             if kind == "new":  # a new tensor on the array the replay just wrote

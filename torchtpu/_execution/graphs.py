@@ -25,9 +25,9 @@ sync.py), and the error names the op and the line that recorded it.
 Memory: a storage's memory belongs to its tensors (PJRT allocates it); graphs keep no private
 pool, so `pool=`/`graph_pool_handle()` are accepted for compatibility and change nothing.
 """
+import contextlib
 import gc
 import time
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -96,8 +96,7 @@ class TPUGraph:
     def capture_end(self):
         tr = self._end()
         try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            with fused.donation_warnings_ignored():
                 self._build(tr)
         finally:
             _release(tr)
@@ -151,6 +150,7 @@ class TPUGraph:
             pos += n
         self._structure = (self._signature, slots, types, guarded)
         self._jits = {}
+        self._splits = {}  # donation mask -> (donated positions, kept positions)
         mask = (True,) * len(self._written)
         donated, kept = self._split(tr.ext_arrays, mask)
         self._jit(mask).lower(donated, kept, (arrays, other)).compile()  # warms the jit's cache
@@ -170,9 +170,14 @@ class TPUGraph:
         return fn
 
     def _split(self, arrays, mask):
-        donate = set(k for k, d in zip(self._written, mask) if d)
-        return ([a for k, a in enumerate(arrays) if k in donate],
-                [a for k, a in enumerate(arrays) if k not in donate])
+        """(donated, kept) of `arrays` for the donation `mask`; the positions are worked out
+        once per mask (every replay splits ~150 arrays of a small GPT's step)."""
+        split = self._splits.get(mask)
+        if split is None:
+            donate = {k for k, d in zip(self._written, mask) if d}
+            split = self._splits[mask] = ([k for k in range(len(arrays)) if k in donate],
+                                          [k for k in range(len(arrays)) if k not in donate])
+        return [arrays[k] for k in split[0]], [arrays[k] for k in split[1]]
 
     def _hyper_changed(self):
         """Why the optimizers' Python hyperparameters differ from the captured ones, or None."""
@@ -185,12 +190,13 @@ class TPUGraph:
                         "capture again.")
         return None
 
-    def replay(self, inputs=None):
-        """`inputs` (private, for a compiled step): {input index: the storage to read instead}."""
+    def replay(self, inputs=None, checked=False):
+        """`inputs` (private, for a compiled step): {input index: the storage to read instead};
+        `checked`: the caller has just compared the hyperparameters (_hyper_changed)."""
         if not self._captured:
             raise RuntimeError("torch.tpu graphs: replay() of a graph that was not captured")
         fused.flush(FlushReason.GRAPH_REPLAY)
-        changed = self._hyper_changed()
+        changed = None if checked else self._hyper_changed()
         if changed is not None:
             raise RuntimeError(f"torch.tpu graph replay: {changed}")
         if inputs:
@@ -213,8 +219,8 @@ class TPUGraph:
             other = list(other)
             for i in self._random:
                 other[i], other[i + 1] = next_key_parts(self._device)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+        # The warning comes with a compile; catching warnings costs every replay.
+        with fused.donation_warnings_ignored() if compiling else contextlib.nullcontext():
             results, ok, first = self._jit(mask)(donated, kept, (self._packed_arrays, other))
         del donated, kept
         counters = metrics.counters
@@ -246,7 +252,7 @@ class TPUGraph:
         if self._trace is not None:
             self._abort()
         self._captured = False
-        self._inputs = self._outputs = self._jits = None
+        self._inputs = self._outputs = self._jits = self._splits = None
 
     def pool(self):
         return self._pool
