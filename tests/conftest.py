@@ -1,9 +1,19 @@
+import atexit
 import os
+import shutil
+import tempfile
 
-import pytest
-import torch
+# The suite's own persistent executable cache, empty at the start: what the user's cache
+# directory holds (earlier runs, other versions) must not change what a test sees.  Tests of
+# the cache itself give their processes directories of their own.
+if "TORCHTPU_CACHE_DIR" not in os.environ:
+    os.environ["TORCHTPU_CACHE_DIR"] = tempfile.mkdtemp(prefix="torchtpu-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["TORCHTPU_CACHE_DIR"], True)
 
-import torchtpu
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import torchtpu  # noqa: E402
 
 # The suites that must pass in every eager mode. The default run covers strict and fused;
 # TORCHTPU_TEST_MODES=strict,fused,debug (or =debug) selects others.

@@ -197,8 +197,18 @@ def _check_values(old, a, b):
     torch.tpu.synchronize()
 
 
+@pytest.fixture
+def sigint_raises():
+    """Python's KeyboardInterrupt handler for SIGINT during the test: a process that a shell
+    without job control starts in the background (`cmd &`) inherits SIGINT ignored, and
+    Python then installs no handler, so a raised SIGINT would do nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("how", ["exception", "signal"])
-def test_ctrl_c_while_a_segment_compiles_loses_nothing(how, monkeypatch):
+def test_ctrl_c_while_a_segment_compiles_loses_nothing(how, monkeypatch, sigint_raises):
     """Ctrl-C during the compile of a flush (a KeyboardInterrupt raised from inside it, or a
     real SIGINT arriving there): the tensors keep their pending values, and the next read runs
     the segment again."""
@@ -225,7 +235,7 @@ def test_ctrl_c_while_a_segment_compiles_loses_nothing(how, monkeypatch):
         _check_values(old, a, b)
 
 
-def test_ctrl_c_while_a_segment_runs_is_held_until_its_values_are_stored(monkeypatch):
+def test_ctrl_c_while_a_segment_runs_is_held_until_its_values_are_stored(monkeypatch, sigint_raises):
     """SIGINT while the executable runs (it may consume donated inputs) is delivered after the
     results are stored: every tensor has its new value."""
     run = fused.Segment.run
