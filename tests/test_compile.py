@@ -234,6 +234,33 @@ def test_compiled_step_with_fused_adamw_matches_cpu():
         _close(p.detach(), q.detach())
 
 
+def test_a_second_optimizer_compiled_in_the_same_process_matches_cpu():
+    # The same step code compiled with a fused AdamW, then with a foreach AdamW, without
+    # torch._dynamo.reset() between them: the second step's optimizer was traced inline, never
+    # marked capturable, and Dynamo failed ("Expected scalars to be on CPU, got meta").
+    def run(dev, fused, compile):
+        torch.manual_seed(0)
+        m = nn.Linear(8, 4).to(dev)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=fused, foreach=None if fused else True)
+        x = torch.randn(16, 8).to(dev)
+
+        def step():
+            opt.zero_grad()
+            loss = m(x).square().mean()
+            loss.backward()
+            opt.step()
+            return loss
+
+        step = torch.compile(step, backend="tpu") if compile else step
+        losses = [step().item() for _ in range(4)]
+        return losses, m.weight.detach()
+
+    for fused in (True, False):
+        (tpu, w_tpu), (cpu, w_cpu) = run("tpu", fused, True), run("cpu", fused, False)
+        torch.testing.assert_close(torch.tensor(tpu), torch.tensor(cpu), rtol=1e-5, atol=1e-6)
+        _close(w_tpu, w_cpu)
+
+
 def test_new_shapes_recompile_and_are_counted():
     g = torch.compile(lambda x: x.exp().sum(0), backend="tpu", dynamic=False)
     for n in (3, 5):

@@ -111,7 +111,12 @@ def skip_own_frames():
 def _capturable_optimizers_on_tpu():
     """Dynamo compiles optimizer steps in capturable form (state such as `step` on the
     device) only for CUDA/XPU parameters; on the host, `step` would split every compiled
-    step into host work.  Mark still-uninitialised groups of tpu parameters capturable too."""
+    step into host work.  Mark still-uninitialised groups of tpu parameters capturable too.
+
+    Dynamo marks them when a trace reads `param_groups` through the optimizer's variable, which
+    a step inlined into an already-compiled caller may never do (a second optimizer compiled in
+    the same process: its foreach step then traced the host path and failed, "Expected scalars
+    to be on CPU, got meta").  So the groups are also marked when that variable is made."""
     from torch._dynamo.variables.optimizer import OptimizerVariable
     original = getattr(OptimizerVariable, "_set_capturable", None)
     if original is None:  # a private hook of Dynamo's; without it, steps compile non-capturable
@@ -120,18 +125,27 @@ def _capturable_optimizers_on_tpu():
         return
     if getattr(original, "_torchtpu", False):
         return
+    original_init = OptimizerVariable.__init__
 
     def _set_capturable(self, tx):
-        optimizer = self.value
-        for group in optimizer.param_groups:
-            params = group.get("params", [])
-            if ("capturable" in group and params
-                    and all(p.device.type == "tpu" and p not in optimizer.state for p in params)):
-                group["capturable"] = True
+        _mark_capturable(self.value)
         return original(self, tx)
+
+    def __init__(self, value, *args, **kwargs):
+        _mark_capturable(value)
+        original_init(self, value, *args, **kwargs)
 
     _set_capturable._torchtpu = True
     OptimizerVariable._set_capturable = _set_capturable
+    OptimizerVariable.__init__ = __init__
+
+
+def _mark_capturable(optimizer):
+    for group in optimizer.param_groups:
+        params = group.get("params", [])
+        if ("capturable" in group and params
+                and all(p.device.type == "tpu" and p not in optimizer.state for p in params)):
+            group["capturable"] = True
 
 
 def skipping_own_frames(compile_):

@@ -50,6 +50,9 @@ PATCHES = [
     Patch("torch._dynamo.variables.optimizer.OptimizerVariable._set_capturable",
           "Dynamo compiles capturable optimizer steps only for CUDA/XPU parameters; on the "
           "host `step` would split every compiled step", _DYNAMO),
+    Patch("torch._dynamo.variables.optimizer.OptimizerVariable.__init__",
+          "the same marking where a step inlined into a compiled caller never reads "
+          "`param_groups` through Dynamo's hook (a second optimizer in one process)", _DYNAMO),
     Patch("jax.config jax_enable_x64",
           "int64 (PyTorch's index type) and float64 would silently narrow",
           "_core/runtime.py, at import: before any array exists"),
