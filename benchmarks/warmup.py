@@ -1,7 +1,8 @@
 """Warm-up, in one run: how long until a training step is steady, cold and after a restart,
 and how much decoding over new lengths costs.
 
-    python benchmarks/warmup.py [--quick] [--modes strict,fused,compile] [--no-decode]
+    python benchmarks/warmup.py [--quick] [--modes strict,fused,compile] [--workers 0,1,2]
+                                [--repeat 2] [--no-decode]
 
 Time to a steady step: the first 3 training steps (forward, backward, AdamW) of the GPT of
 train_step.py, in a fresh process, for each mode against the same step written in JAX under
@@ -10,6 +11,9 @@ the first one's persistent cache (JAX's own persistent cache for the JAX step). 
 ratios to JAX's time, with the executables each mode built at steps 2 and later (should be 0).
 In compiled mode, Dynamo's and AOTAutograd's share of the first step
 (`torch._dynamo.utils.compile_times()`) is printed too: it is paid again on every restart.
+
+Parallel compilation: strict eager's cold first steps with TORCHTPU_COMPILE_WORKERS = 0 (XLA
+compiles on the calling thread), 1 and 2 (a pool compiles while the host dispatches on).
 
 Decoding: greedy `generate()` of a small random-weight Llama (no downloads) over lengths not
 seen before, against the same call once warm, with the dynamic (default) and the static KV
@@ -85,7 +89,8 @@ def _child_train(mode, a):
         after = torchtpu.metrics()
         built.append(sum(after.get(k, 0) - before.get(k, 0) for k in BUILT))
     result = dict(seconds=time.perf_counter() - start, losses=losses, built=built,
-                  cache_hits=torchtpu.metrics().get("persistent_cache_hits", 0))
+                  cache_hits=sum(torchtpu.metrics().get(k, 0)
+                                 for k in ("persistent_cache_hits", "executables_loaded")))
     if mode == "compile":
         from torch._dynamo.utils import compile_times
         names, seconds = compile_times(repr="csv", aggregate=True)
@@ -146,6 +151,9 @@ def main():
     ap.add_argument("--quick", action="store_true", help="the small GPT (2 layers, d_model 128, "
                     "seq 64) and 10 decoded tokens: a few minutes")
     ap.add_argument("--modes", default="strict,fused,compile")
+    ap.add_argument("--workers", default="0,1,2", help="compile pool sizes for the parallel-"
+                    "compile comparison (strict, cold); empty: skip it")
+    ap.add_argument("--repeat", type=int, default=2, help="rounds of the parallel-compile comparison")
     ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -178,7 +186,7 @@ def main():
         print(f"  {mode:18s} cold {cold['seconds']:7.2f} s = {cold['seconds'] / jax_cold:5.2f}x JAX "
               f"(target <= {targets.get(mode, 0):.1f}x)   restart {restart['seconds']:7.2f} s = "
               f"{cold['seconds'] / restart['seconds']:5.2f}x faster than cold (target >= 3x; "
-              f"{restart['cache_hits']} cache hits)")
+              f"{restart['cache_hits']} programs loaded from the cache)")
         print(f"  {'':18s} executables built per step {cold['built']} cold, {restart['built']} "
               f"restart (target: 0 from step 2); losses {'equal' if same else 'DIFFER from'} JAX's")
         if "compile_times" in restart:
@@ -186,6 +194,30 @@ def main():
                 ct = r["compile_times"]
                 print(f"  {'':18s} {label}: " + ", ".join(
                     f"{name} {ct.get(key, 0):.2f} s" for name, key in _DYNAMO_PIECES))
+
+    workers = [w for w in a.workers.split(",") if w]
+    if workers:
+        print(f"\nParallel compilation: strict eager, cold, the first {STEPS} steps with "
+              f"TORCHTPU_COMPILE_WORKERS=N ({a.repeat} rounds, the worker counts interleaved)")
+        seconds = {w: [] for w in workers}
+        with tempfile.TemporaryDirectory() as tmp:
+            for round_ in range(a.repeat):
+                for w in workers:
+                    env = {**os.environ, "TORCHTPU_CACHE_DIR": os.path.join(tmp, f"{w}-{round_}"),
+                           "TORCHTPU_COMPILE_WORKERS": w}
+                    r = _spawn(["--child", "train", "strict", *quick], env)
+                    seconds[w].append(r["seconds"])
+                    if "strict" in runs and r["losses"] != runs["strict"][0]["losses"]:
+                        print(f"  losses with {w} workers DIFFER from the default run's")
+        for w in workers:
+            print(f"  {w} worker(s){' (on the calling thread)' if w == '0' else '':24s} "
+                  f"{min(seconds[w]):6.2f}-{max(seconds[w]):6.2f} s = "
+                  f"{min(seconds[w]) / jax_cold:5.2f}-{max(seconds[w]) / jax_cold:5.2f}x JAX")
+        for base in ("1", "0"):
+            if base in seconds and "2" in seconds:
+                ratios = [b / t for b, t in zip(seconds[base], seconds["2"])]
+                print(f"  speed-up of 2 workers over {base}: {min(ratios):.2f}-{max(ratios):.2f}x "
+                      f"(per round)")
 
     if a.no_decode:
         return
