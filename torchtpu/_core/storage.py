@@ -12,6 +12,7 @@ import weakref
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 
 from . import runtime
@@ -136,9 +137,23 @@ class DeviceBuffer:
             return a
         a = self.array
         if a is None:
-            itemsize = jnp.dtype(self.dtype).itemsize
-            a = self.array = zeros(self.nbytes // itemsize, jnp.dtype(self.dtype), self.index)()
+            a = self.array = _zeros_for(self.nbytes, jnp.dtype(self.dtype), self.index)
         return a
+
+
+# Storages up to this size read as zeros through a transfer from the host, which compiles
+# nothing: a loop over new sizes (`torch.empty(n).uniform_()`, `.long()`, `randn(n)` in
+# PyTorch's device-generic tests) otherwise compiled a zeros program per size, 3 of an
+# iteration's 10 executables.  Larger ones use a cached executable, whose call costs less than
+# moving their size over the host link.
+HOST_ZEROS_BYTES = 1 << 16
+
+
+def _zeros_for(nbytes, dtype, index):
+    n = nbytes // dtype.itemsize
+    if nbytes <= HOST_ZEROS_BYTES:
+        return jax.device_put(np.zeros(n, dtype), runtime.jax_device(index))
+    return zeros(n, dtype, index)()
 
 
 @functools.lru_cache(maxsize=256)
