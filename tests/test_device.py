@@ -91,6 +91,53 @@ def test_random_distributions_are_plausible():
     assert abs(b.mean() - 0.3) < 0.02
 
 
+# In-place random fills: (method, arguments, dtype).
+FILLS = [("uniform_", (-2.0, 3.0), torch.float32), ("uniform_", (), torch.bfloat16),
+         ("normal_", (1.0, 2.0), torch.float32), ("normal_", (), torch.float64),
+         ("random_", (0, 100), torch.int64), ("random_", (50,), torch.int32),
+         ("bernoulli_", (0.3,), torch.float32), ("exponential_", (2.0,), torch.float32),
+         ("cauchy_", (), torch.float32), ("log_normal_", (), torch.float64),
+         ("geometric_", (0.2,), torch.float32)]
+
+
+@pytest.mark.parametrize("name,args,dtype", FILLS, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_random_fills_drawn_for_a_bucketed_size_give_the_same_values(name, args, dtype, monkeypatch):
+    """Strict eager fills a tensor of a new size by drawing for a bucketed flat size and
+    copying the first elements: the values must be exactly those of drawing for the tensor
+    itself (as strict eager did without buckets, and as fused mode does)."""
+    from torchtpu._execution import op_kernel
+
+    def fill(t):
+        torch.manual_seed(5)
+        with torch.tpu.set_eager_mode("strict"):
+            getattr(t, name)(*args)
+        return t.cpu()
+
+    shapes = [(37,), (2, 3, 7)] + ([(70000,)] if dtype == torch.float32 and name == "normal_" else [])
+    bucketed = [fill(torch.empty(s, dtype=dtype, device="tpu")) for s in shapes]
+    # A view is filled in place, with the values of a fresh tensor of its size; nothing else
+    # of its base changes.
+    base = torch.zeros(4, 21, dtype=dtype, device="tpu")
+    view = fill(base[1:3])
+    monkeypatch.setattr(op_kernel, "_partitionable_draws", lambda: False)
+    exact = [fill(torch.empty(s, dtype=dtype, device="tpu")) for s in shapes]
+    for s, b, e in zip(shapes, bucketed, exact):
+        assert b.shape == s and b.dtype == dtype
+        assert torch.equal(b, e), (name, s)
+    assert torch.equal(view, exact[1].reshape(2, 21))
+    assert not base[0].cpu().any() and not base[3].cpu().any()
+
+
+def test_a_loop_over_new_sizes_compiles_a_random_program_per_bucket_only():
+    from torchtpu._core import metrics
+    with torch.tpu.set_eager_mode("strict"):
+        before = metrics.build_counts["aten.normal_.default"]
+        for n in range(33, 64):  # one bucket: 64
+            torch.randn(n, device="tpu")
+        torch.tpu.synchronize()
+        assert metrics.build_counts["aten.normal_.default"] - before <= 1
+
+
 def test_memory_is_released_when_tensors_die():
     torch.tpu.synchronize()
     base = torch.tpu.memory_allocated()

@@ -63,6 +63,12 @@ class Lowering:
     eager: bool = False
     # Pass the PRNG key as the first argument (random ops).
     random: bool = False
+    # A random fill of its in-place target: element i of the result depends only on the key,
+    # the Python numbers and the i-th draw in row-major order (uniform_, normal_, ...).  JAX's
+    # partitionable threefry draws element i from counter i, so a fill of n elements equals the
+    # first n of a fill of more: strict eager draws for a few bucketed sizes and copies
+    # (op_kernel.OpKernel._bucketed_fill).
+    fill: bool = False
     # The program depends on torch.get_float32_matmul_precision() (matmuls, convolutions).
     precision: bool = False
     # float16/bfloat16 inputs are computed in float32 and the result rounded once, as

@@ -79,12 +79,12 @@ def _check_uniform(x, low=0.0, high=1.0, generator=None):
         raise RuntimeError(f"uniform_ expects to return a [from, to) range, but found from={low:g} > to={high:g}")
 
 
-@lowering("aten::uniform_.default", random=True, validate=_check_uniform)
+@lowering("aten::uniform_.default", random=True, fill=True, validate=_check_uniform)
 def uniform_(key, x, low=0.0, high=1.0, generator=None):
     return jax.random.uniform(key, x.shape, jnp.float32, low, high).astype(x.dtype)
 
 
-@lowering("aten::normal_.default", random=True)
+@lowering("aten::normal_.default", random=True, fill=True)
 def normal_(key, x, mean=0.0, std=1.0, generator=None):
     return (jax.random.normal(key, x.shape, jnp.float32) * std + mean).astype(x.dtype)
 
@@ -98,7 +98,7 @@ def _check_random_to(x, high, generator=None):
     _check_random_range(x, 0, high)
 
 
-@lowering("aten::random_.from", random=True, validate=_check_random_range)
+@lowering("aten::random_.from", random=True, fill=True, validate=_check_random_range)
 def random_from(key, x, low, high=None, generator=None):
     if high is None:
         high = 2 ** 63 - 1 if x.dtype == jnp.int64 else int(jnp.iinfo(x.dtype).max) + 1 \
@@ -106,7 +106,7 @@ def random_from(key, x, low, high=None, generator=None):
     return jax.random.randint(key, x.shape, low, high, jnp.int64).astype(x.dtype)
 
 
-@lowering("aten::random_.to", random=True, validate=_check_random_to)
+@lowering("aten::random_.to", random=True, fill=True, validate=_check_random_to)
 def random_to(key, x, high, generator=None):
     return jax.random.randint(key, x.shape, 0, high, jnp.int64).astype(x.dtype)
 
@@ -122,7 +122,7 @@ def _check_p_values(p):
           RuntimeError)
 
 
-@lowering("aten::bernoulli_.float", random=True, validate=_check_p)
+@lowering("aten::bernoulli_.float", random=True, fill=True, validate=_check_p)
 def bernoulli_float(key, x, p=0.5, generator=None):
     return jax.random.bernoulli(key, p, x.shape).astype(x.dtype)
 
@@ -154,7 +154,7 @@ def native_dropout_backward(grad, mask, scale):
     return grad * mask * scale
 
 
-@lowering("aten::exponential_.default", random=True)
+@lowering("aten::exponential_.default", random=True, fill=True)
 def exponential_(key, x, lambd=1.0, generator=None):
     return (jax.random.exponential(key, x.shape, jnp.float32) / lambd).astype(x.dtype)
 
@@ -205,17 +205,17 @@ def normal_float_tensor(key, mean, std, generator=None):
     return jax.random.normal(key, std.shape, jnp.float32) * std + mean
 
 
-@lowering("aten::cauchy_.default", random=True)
+@lowering("aten::cauchy_.default", random=True, fill=True)
 def cauchy_(key, x, median=0.0, sigma=1.0, generator=None):
     return (jax.random.cauchy(key, x.shape, jnp.float32) * sigma + median).astype(x.dtype)
 
 
-@lowering("aten::log_normal_.default", random=True)
+@lowering("aten::log_normal_.default", random=True, fill=True)
 def log_normal_(key, x, mean=1.0, std=2.0, generator=None):
     return jnp.exp(jax.random.normal(key, x.shape, jnp.float32) * std + mean).astype(x.dtype)
 
 
-@lowering("aten::geometric_.default", random=True)
+@lowering("aten::geometric_.default", random=True, fill=True)
 def geometric_(key, x, p, generator=None):
     # The number of Bernoulli(p) trials up to the first success: ceil(log(U) / log(1 - p)).
     u = jax.random.uniform(key, x.shape, jnp.float32, jnp.finfo(jnp.float32).tiny, 1.0)
