@@ -5,7 +5,6 @@ identity (never dereferenced). Its Python object carries a `DeviceBuffer` holdin
 of the storage's elements in memory order; PyTorch keeps that object alive exactly as long as
 the storage, so device memory is freed with the last tensor that uses it.
 """
-import functools
 import os
 import threading
 import weakref
@@ -146,28 +145,20 @@ class DeviceBuffer:
 # PyTorch's device-generic tests) otherwise compiled a zeros program per size, 3 of an
 # iteration's 10 executables.  Larger ones use a cached executable, whose call costs less than
 # moving their size over the host link.
-HOST_ZEROS_BYTES = 1 << 16
+_HOST_ZEROS_BYTES = 1 << 16
+
+# The cached executable making n zeros on a device (eager jnp.zeros costs far more):
+# _execution.dispatch.install puts in executables.zeros, which the persistent executable cache
+# keeps (a restart loads them: an optimizer's state made by zeros_like is ~10 sizes of ~25 ms
+# compiles each).  Until then every size comes from the host.
+zeros = None
 
 
 def _zeros_for(nbytes, dtype, index):
     n = nbytes // dtype.itemsize
-    if nbytes <= HOST_ZEROS_BYTES:
+    if nbytes <= _HOST_ZEROS_BYTES or zeros is None:
         return jax.device_put(np.zeros(n, dtype), runtime.jax_device(index))
     return zeros(n, dtype, index)()
-
-
-@functools.lru_cache(maxsize=256)
-def _zeros(n, dtype, index):
-    """A cached executable making n zeros on a device (eager jnp.zeros costs far more).  Bounded
-    like the op executables: one per storage size would otherwise grow without end."""
-    return jax.jit(lambda: jnp.zeros((n,), dtype), out_shardings=jax.sharding.SingleDeviceSharding(
-        runtime.jax_device(index)))
-
-
-# What makes those zeros; _execution.dispatch.install puts in executables.zeros, which the
-# persistent executable cache keeps (a restart loads them: an optimizer's state made by
-# zeros_like is ~10 sizes of ~25 ms compiles each).
-zeros = _zeros
 
 
 def retype_loaded(buf, dtype):

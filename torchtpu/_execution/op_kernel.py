@@ -145,8 +145,8 @@ class OpKernel:
                 raise
 
     def _bucketed_fill(self, args, kwargs):
-        """Strict eager's random fill of a contiguous tensor of a size it has no executable
-        for: fill a flat tensor of a bucketed size, then copy its first elements, which are
+        """Strict eager's random fill of a contiguous tensor whose size is not a bucket size
+        (fill_bucket): fill a flat tensor of the bucketed size, then copy its first elements, which are
         the very values the fill would give (Lowering.fill).  A random program takes ~0.5 s of
         XLA:CPU compile (threefry), a copy ~30 ms: a loop over new sizes (PyTorch's
         device-generic tests) or a model initialised on the device compiled one per shape.
