@@ -4,7 +4,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import assert_same
+from conftest import assert_same, counts
 
 
 def test_aminmax_private_alias():
@@ -70,3 +70,102 @@ def test_linalg_eigvals():
     y = a.clone().requires_grad_()
     torch.linalg.eigvals(y).abs().sum().backward()
     assert_same(x.grad, y.grad, rtol=1.3e-6, atol=1e-4)
+
+
+# --- scaled dot-product attention: one fused op, its backward the VJP of the forward -----
+
+def _sdpa_case(q_shape, kv_shape, dtype=torch.float32, mask=None, **kw):
+    q, k, v = (torch.randn(s, dtype=dtype, requires_grad=True) for s in (q_shape, kv_shape, kv_shape))
+    args = [q, k, v] + ([mask] if mask is not None else [])
+    dev = [a.detach().to("tpu").requires_grad_(a.requires_grad) for a in args]
+    want = torch.nn.functional.scaled_dot_product_attention(*args, **kw)
+    got = torch.nn.functional.scaled_dot_product_attention(*dev, **kw)
+    tol = {} if dtype != torch.bfloat16 else dict(rtol=2e-2, atol=2e-2)
+    assert_same(got, want, **tol)
+    grad = torch.randn_like(want)
+    want.backward(grad)
+    got.backward(grad.to("tpu"))
+    for d, a in zip(dev, args):
+        if a.requires_grad:
+            assert_same(d.grad, a.grad, **tol)
+    return got
+
+
+def _fully_masked_row_mask():
+    mask = torch.rand(5, 7) > 0.4
+    mask[2] = False  # a query that may attend to no key: PyTorch gives it zeros
+    return mask
+
+
+@pytest.mark.parametrize("case", [
+    dict(q_shape=(2, 4, 5, 8), kv_shape=(2, 4, 7, 8)),
+    dict(q_shape=(2, 4, 6, 8), kv_shape=(2, 4, 6, 8), is_causal=True),
+    dict(q_shape=(2, 4, 5, 8), kv_shape=(2, 2, 7, 8), enable_gqa=True),
+    dict(q_shape=(4, 5, 8), kv_shape=(4, 7, 8), scale=0.3),
+    dict(q_shape=(2, 4, 5, 8), kv_shape=(2, 4, 7, 8), mask="bool"),
+    dict(q_shape=(2, 4, 5, 8), kv_shape=(2, 4, 7, 8), mask="bool", is_causal=True),
+    dict(q_shape=(2, 4, 5, 8), kv_shape=(2, 4, 7, 8), mask="float"),
+    dict(q_shape=(2, 4, 5, 8), kv_shape=(2, 4, 7, 8), dtype=torch.bfloat16),
+    dict(q_shape=(2, 4, 5, 8), kv_shape=(2, 4, 7, 8), dtype=torch.float64),
+], ids=["plain", "causal", "gqa", "3d-scale", "bool-mask", "causal-and-mask",
+                                                      "float-mask-grad", "bf16", "f64"])
+def test_scaled_dot_product_attention_is_one_op_and_matches_cpu(case):
+    case = dict(case)
+    mask = case.pop("mask", None)
+    if mask == "bool":
+        case["mask"] = _fully_masked_row_mask()
+    elif mask == "float":
+        case["mask"] = torch.randn(2, 1, 5, 7, requires_grad=True)  # broadcast over heads
+    before = counts("op::aten._scaled_dot_product_fused_attention_overrideable.default",
+                    "op::aten.bmm.default")
+    _sdpa_case(**case)
+    torch.tpu.synchronize()
+    after = counts("op::aten._scaled_dot_product_fused_attention_overrideable.default",
+                   "op::aten.bmm.default")
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 0)
+
+
+def test_scaled_dot_product_attention_without_autograd():
+    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    for context in (torch.no_grad, torch.inference_mode):
+        with context():
+            got = torch.nn.functional.scaled_dot_product_attention(
+                q.to("tpu"), k.to("tpu"), v.to("tpu"), enable_gqa=True)
+        assert_same(got, want)
+
+
+def test_scaled_dot_product_attention_takes_the_math_kernel_where_the_fused_one_does_not_apply():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q, k, v = (torch.randn(2, 4, 5, 8, device="tpu") for _ in range(3))
+    fused_op = "op::aten._scaled_dot_product_fused_attention_overrideable.default"
+    before = counts(fused_op)
+    with sdpa_kernel([SDPBackend.MATH]):
+        got = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert_same(got, torch.nn.functional.scaled_dot_product_attention(q.cpu(), k.cpu(), v.cpu()))
+    torch.manual_seed(1)
+    dropped = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    assert dropped.shape == q.shape and torch.isfinite(dropped.cpu()).all()
+    torch.tpu.synchronize()
+    assert counts(fused_op) == before
+
+
+@pytest.mark.parametrize("bad", ["dtypes", "heads", "mask-dtype", "mask-shape"])
+def test_scaled_dot_product_attention_refuses_what_the_cpu_refuses(bad):
+    def call(device):
+        q, k, v = (torch.randn(2, 4, 5, 8, device=device) for _ in range(3))
+        mask, kw = None, {}
+        if bad == "mask-shape":
+            mask = torch.ones(3, 5, dtype=torch.bool, device=device)
+        elif bad == "dtypes":
+            k = k.double()
+        elif bad == "heads":
+            k = torch.randn(2, 3, 5, 8, device=device)
+        else:
+            mask = torch.ones(5, 5, dtype=torch.int32, device=device)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+
+    with pytest.raises(Exception) as cpu_error:
+        call("cpu")
+    with pytest.raises(type(cpu_error.value)):
+        call("tpu")

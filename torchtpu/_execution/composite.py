@@ -125,6 +125,57 @@ def _huber_loss(x, target, reduction=1, delta=1.0):
     return loss.mean() if reduction == 1 else loss.sum() if reduction == 2 else loss
 
 
+# --- scaled dot-product attention ------------------------------------------------------------
+
+# PyTorch picks an attention kernel per device through a C++ dispatch stub that a Python backend
+# cannot fill, so on tpu F.scaled_dot_product_attention would always decompose into its math
+# kernel (seven ops).  This kernel, installed for the op's autograd key as well, takes the fused
+# op PyTorch provides for other devices instead (one program; its backward has PyTorch's own
+# autograd formula), unless the call is one the fused lowering does not cover or the user has
+# turned that backend off (torch.nn.attention.sdpa_kernel): then the op's own composite runs.
+def _fused_attention_covers(q, k, v, mask, dropout_p, is_causal, enable_gqa):
+    if dropout_p != 0.0 or not torch._C._get_overrideable_sdp_enabled():
+        return False
+    if not (q.dim() == k.dim() == v.dim() and q.dim() in (3, 4)):
+        return False
+    if not (q.dtype == k.dtype == v.dtype and q.is_floating_point()):
+        return False
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
+        return False
+    if not (q.device == k.device == v.device and q.device.type == "tpu"):
+        return False
+    if q.shape[:-3] != k.shape[:-3] or k.shape[:-1] != v.shape[:-1] or q.shape[-1] != k.shape[-1]:
+        return False
+    hq, hk = q.shape[-3], k.shape[-3]
+    if hq != hk and not (enable_gqa and hq % hk == 0):
+        return False
+    if mask is not None:
+        # (a mask with is_causal: both apply, as on the CPU; PyTorch's math kernel refuses it)
+        if mask.device != q.device or mask.dtype not in (torch.bool, q.dtype):
+            return False
+        try:
+            torch.broadcast_shapes(mask.shape, (*q.shape[:-1], k.shape[-2]))
+        except RuntimeError:
+            return False
+    return True
+
+
+def _scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *,
+                                  scale=None, enable_gqa=False):
+    if _fused_attention_covers(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa):
+        return aten._scaled_dot_product_fused_attention_overrideable(
+            q, k, v, attn_mask, dropout_p, is_causal, scale=scale)[0]
+    return aten.scaled_dot_product_attention.default.decompose(
+        q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+def autograd_kernels():
+    """Kernels of CompositeImplicitAutograd ops this module replaces on tpu: installed for both
+    PrivateUse1 and AutogradPrivateUse1 (a backend kernel alone would leave the op without its
+    autograd formula; they call ops that have one)."""
+    return {aten.scaled_dot_product_attention.default: _scaled_dot_product_attention}
+
+
 def kernels():
     """The PrivateUse1 kernels of this module (see dispatch.py)."""
     return {aten.native_batch_norm.default: _with_update,

@@ -26,6 +26,9 @@ def install(lib):
     special = special_kernels()
     for op, kernel in special.items():
         lib.impl(op, kernel, "PrivateUse1")
+    for op, kernel in composite.autograd_kernels().items():
+        lib.impl(op, kernel, "PrivateUse1")
+        lib.impl(op, kernel, "AutogradPrivateUse1")
     for op, kernel in transfer.CPU_KERNELS.items():
         lib.impl(op, kernel, "CPU")
     kernels.register_table(lib, skip=special)

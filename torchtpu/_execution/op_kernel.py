@@ -82,6 +82,15 @@ class _OutResized(Exception):
     pass
 
 
+class _Number:
+    """A return that is a number, the same for every call of the executable (its meta kernel
+    computes it from the shapes)."""
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
 class _Compiled:
     __slots__ = ("key", "fn", "run", "out_specs", "wrap_specs", "writes", "check_info", "returns", "list_len")
 
@@ -328,6 +337,8 @@ class OpKernel:
                 results.append(next(it))
             elif source == "none":
                 results.append(None)
+            elif isinstance(source, _Number):
+                results.append(source.value)
             elif source == "list":
                 results.append([next(it) for _ in range(compiled.list_len)])
             else:
@@ -421,8 +432,11 @@ class OpKernel:
         returns = [self._aliased_input(r) if r.alias_info is not None and r.alias_info.is_write
                    else None for r in self.returns]
         if isinstance(meta_out, (tuple, list)) and not self._returns_list():
-            # Outputs the op leaves undefined (e.g. convolution_backward's masked-off grads).
-            returns = ["none" if r is None and m is None else r for r, m in zip(returns, meta_out)]
+            # Outputs the op leaves undefined (e.g. convolution_backward's masked-off grads),
+            # and integers its meta kernel fixes (the fused attention's max_q and max_k).
+            returns = ["none" if r is None and m is None
+                       else _Number(m) if r is None and isinstance(m, (int, torch.SymInt)) else r
+                       for r, m in zip(returns, meta_out)]
         compiled.returns = returns
         out_specs = [] if meta_out is None else [
             (tuple(m.shape), _dense_strides(m), m.dtype)
