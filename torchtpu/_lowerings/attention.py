@@ -8,7 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from .._core.registry import lowering
+from .._core.registry import HALF_TYPES, lowering
 from .._core.runtime import jax_precision as _precision
 
 
@@ -18,7 +18,14 @@ def _attention(q, k, v, bias, is_causal, scale):
     `bias`: a boolean mask (True attends) or an additive bias, broadcast to (…, H_q, L_q, L_k).
     Keys and values may have fewer heads than the query (grouped-query attention): each of
     their heads serves H_q / H_k consecutive query heads, as `repeat_interleave` would.
-    A row whose every key is masked gives zeros, as PyTorch's math kernel does (_safe_softmax)."""
+    A row whose every key is masked gives zeros, as PyTorch's math kernel does (_safe_softmax).
+    Half-precision inputs are computed in float32 with the unnormalised weights rounded to the
+    input dtype before they meet v, as the CPU's flash kernel computes them."""
+    half = q.dtype if q.dtype in HALF_TYPES else None
+    if half is not None:
+        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+        if bias is not None and bias.dtype == half:
+            bias = bias.astype(jnp.float32)
     *batch, hq, lq, d = q.shape
     hk, lk = k.shape[-3], k.shape[-2]
     groups = hq // hk
@@ -41,15 +48,16 @@ def _attention(q, k, v, bias, is_causal, scale):
     empty = jnp.isneginf(m)  # every key masked
     p = jnp.exp(s - jnp.where(empty, 0, m))
     total = jnp.sum(p, axis=-1, keepdims=True)
-    # (1 where the row is empty, so that its gradient is 0, not 0/0)
-    p = jnp.where(empty, 0, p / jnp.where(empty, 1, total))
+    if half is not None:
+        p = p.astype(half).astype(jnp.float32)
     out = jnp.einsum("...hgqk,...hkd->...hgqd", p, v, precision=_precision())
+    # (1 where the row is empty, so that its gradient is 0, not 0/0)
+    out = jnp.where(empty, 0, out / jnp.where(empty, 1, total))
     lse = (m + jnp.log(total))[..., 0]
     return out.reshape(*batch, hq, lq, v.shape[-1]), lse.reshape(*batch, hq, lq)
 
 
-@lowering("aten::_scaled_dot_product_fused_attention_overrideable.default", opmath=True,
-          precision=True)
+@lowering("aten::_scaled_dot_product_fused_attention_overrideable.default", precision=True)
 def sdpa(q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False,
          scale=None):
     # Dropout never reaches this op (the dispatcher kernel takes the math path for it).
@@ -63,7 +71,7 @@ def sdpa(q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_m
 
 
 @lowering("aten::_scaled_dot_product_fused_attention_overrideable_backward.default",
-          opmath=True, precision=True)
+          precision=True)
 def sdpa_backward(grad_out, q, k, v, attn_bias, grad_input_mask, out, logsumexp, cum_seq_q,
                   cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset,
                   scale=None):
@@ -74,8 +82,8 @@ def sdpa_backward(grad_out, q, k, v, attn_bias, grad_input_mask, out, logsumexp,
         return _attention(q, k, v, bias, is_causal, scale)[0]
 
     if bias_grad:
-        _, vjp = jax.vjp(forward, q, k, v, attn_bias)
-        return vjp(grad_out.astype(q.dtype))
-    _, vjp = jax.vjp(lambda q, k, v: forward(q, k, v, attn_bias), q, k, v)
-    gq, gk, gv = vjp(grad_out.astype(q.dtype))
+        out, vjp = jax.vjp(forward, q, k, v, attn_bias)
+        return vjp(grad_out.astype(out.dtype))
+    out, vjp = jax.vjp(lambda q, k, v: forward(q, k, v, attn_bias), q, k, v)
+    gq, gk, gv = vjp(grad_out.astype(out.dtype))
     return gq, gk, gv, None if attn_bias is None else jnp.zeros_like(attn_bias)
