@@ -276,3 +276,23 @@ def test_streams_and_events(mode):
         torch.testing.assert_close(y.cpu(), x.cpu() + 1)
     with pytest.raises(RuntimeError, match="enable_timing"):
         torch.tpu.Event().elapsed_time(end)
+
+
+def test_views_at_other_offsets_share_one_executable():
+    # A view's offset is an argument of the op's executable: a loop over x[i] (or the last
+    # token of a growing sequence) compiles once, not once per i.
+    from torchtpu._core import metrics
+    x = torch.randn(16, 6)
+    d = x.to("tpu")
+    before = metrics.build_counts["aten.mul.Tensor"], metrics.build_counts["aten.add_.Tensor"]
+    for i in range(1, 16):
+        assert torch.equal((d[i] * 2).cpu(), x[i] * 2)
+        assert torch.equal((d[:, i % 6] * 2).cpu(), x[:, i % 6] * 2)
+        d[i].add_(1.0)
+        x[i].add_(1.0)
+    assert torch.equal(d.cpu(), x)
+    torch.tpu.synchronize()
+    built = (metrics.build_counts["aten.mul.Tensor"] - before[0],
+             metrics.build_counts["aten.add_.Tensor"] - before[1])
+    # mul: a row and a column layout, each at offset 0 and at any other offset
+    assert built[0] <= 4 and built[1] <= 1, built

@@ -180,6 +180,7 @@ class OpKernel:
         key = []
         buffers = []
         scalars = []
+        offsets = []
         device = None
         for a, v in zip(self.args, vals):
             kind = a.kind
@@ -187,14 +188,14 @@ class OpKernel:
                 if v is None:
                     key.append(None)
                 else:
-                    device = self._tensor(v, key, buffers, scalars, device)
+                    device = self._tensor(v, key, buffers, scalars, offsets, device)
             elif kind == _TLIST:
                 key.append(len(v))
                 for t in v:
                     if t is None:
                         key.append(None)
                     else:
-                        device = self._tensor(t, key, buffers, scalars, device)
+                        device = self._tensor(t, key, buffers, scalars, offsets, device)
             elif kind == _SCALAR:
                 if v is None:
                     key.append(None)
@@ -214,6 +215,7 @@ class OpKernel:
                 key.append(_hashable(v))
         if device is None:
             device = runtime.current_device()
+        scalars += offsets  # (after the op's own numbers: run() takes them from the end)
         if not buffers:
             key.append(torch.get_default_dtype())
         if mode is None:
@@ -291,7 +293,7 @@ class OpKernel:
                     f"{debug.format_where(debug.user_frame(3))}")
         return outs, updated, checks
 
-    def _tensor(self, t, key, buffers, scalars, device):
+    def _tensor(self, t, key, buffers, scalars, offsets, device):
         if not isinstance(t, torch.Tensor):
             # PyTorch hands wrapped numbers (`x + 1`) to Python kernels as plain numbers.
             key.append(type(t))
@@ -304,7 +306,13 @@ class OpKernel:
                 device = index
             elif device != index:
                 raise _device_mismatch(f"tpu:{device}", t.device)
-            key.append(layout_key(t, buf, buffers))
+            # A view's offset is an argument of the executable, not part of its key: a loop
+            # over x[i], or the last token of a growing sequence, runs one executable.
+            offset = t.storage_offset()
+            if offset:
+                offsets.append(offset)
+                offset = DYNAMIC
+            key.append(layout_key(t, buf, buffers, offset))
         elif t.dim() == 0 and t.device.type == "cpu":
             # A 0-dim CPU tensor mixes with device tensors (as with CUDA): its value is traced.
             key.append(("cpu", t.dtype, _is_wrapped_number(t)))
@@ -450,8 +458,7 @@ class OpKernel:
             compiled.returns = ["list"]
 
         # Tensor slots as the lowering sees them, in schema order.
-        slots = self._slots(vals, buffers)
-        write_targets = self._write_targets(vals, buffers)
+        slots, write_targets, n_offsets = self._slots(vals, buffers)
         compiled.writes = sorted({j for j, *_ in write_targets})
         low, fargs_idx, argdefs = self.low, self.functional_args, self.args
         # An out= op computes its functional's results, rounded to their dtypes, and casts them
@@ -489,7 +496,8 @@ class OpKernel:
 
         def run(*dyn):
             arrays = dyn[:n_buf]
-            scalar_it = iter(dyn[n_buf:])
+            offsets = dyn[len(dyn) - n_offsets:]
+            scalar_it = iter(dyn[n_buf:len(dyn) - n_offsets])
             if low.random:
                 args = [key_from_parts(next(scalar_it), next(scalar_it))]
             else:
@@ -497,9 +505,10 @@ class OpKernel:
             for i in fargs_idx:
                 a = argdefs[i]
                 if a.kind in (_T, _TOPT):
-                    args.append(_read(slots[i], arrays, scalar_it, promote_dtype))
+                    args.append(_read(slots[i], arrays, scalar_it, offsets, promote_dtype))
                 elif a.kind == _TLIST:
-                    args.append([_read(s, arrays, scalar_it, promote_dtype) for s in slots[i]])
+                    args.append([_read(s, arrays, scalar_it, offsets, promote_dtype)
+                                 for s in slots[i]])
                 elif a.kind == _SCALAR:
                     args.append(None if consts[i] else next(scalar_it))
                 elif a.kind == _SCALARLIST:
@@ -528,7 +537,8 @@ class OpKernel:
                     if result_dtypes:
                         value = cast(value, result_dtypes[min(k, len(result_dtypes) - 1)])
                     value = _unapply_bits(jnp.broadcast_to(jnp.asarray(value), shape), conj, neg)
-                    new_arrays[j] = strided.write(new_arrays[j], shape, stride, offset, dtype, value)
+                    new_arrays[j] = strided.write(new_arrays[j], shape, stride,
+                                                  Dynamic.resolve(offset, offsets), dtype, value)
             if low.eager and not specs:  # data-dependent shapes: the values define them
                 outs = [jnp.asarray(v) for v in flat]
             for (shape, stride, dtype), value in zip(specs, flat):
@@ -630,7 +640,10 @@ class OpKernel:
         return [meta_out] if isinstance(meta_out, torch.Tensor) else []
 
     def _slots(self, vals, buffers):
-        slots = {}
+        """{argument index: its tensor's slot, or a list of them}, and the slots of the written
+        tensors: (buffer, shape, strides, offset, dtype, conj, neg).  A nonzero offset is a
+        `Dynamic`: the executable's k-th offset argument (in `_tensor`'s order)."""
+        slots, by_tensor = {}, {}
 
         def slot_of(t):
             if t is None:
@@ -640,7 +653,11 @@ class OpKernel:
             if t.device.type != "tpu":
                 return ("cpu", to_jax_dtype(t.dtype))
             j = _index_of(buffers, t.untyped_storage()._tpu)
-            return (j, tuple(t.shape), t.stride(), t.storage_offset(), to_jax_dtype(t.dtype),
+            offset = t.storage_offset()
+            if offset:
+                offset = Dynamic(len(by_tensor))
+                by_tensor[len(by_tensor)] = t
+            return (j, tuple(t.shape), t.stride(), offset, to_jax_dtype(t.dtype),
                     t.is_conj(), t.is_neg())
 
         for i, (a, v) in enumerate(zip(self.args, vals)):
@@ -648,17 +665,13 @@ class OpKernel:
                 slots[i] = slot_of(v)
             elif a.kind == _TLIST:
                 slots[i] = [slot_of(t) for t in v]
-        return slots
-
-    def _write_targets(self, vals, buffers):
         targets = []
         for i in self.writes:
             v = vals[i]
-            for t in (v if isinstance(v, (list, tuple)) else [v]):
-                j = _index_of(buffers, t.untyped_storage()._tpu)
-                targets.append((j, tuple(t.shape), t.stride(), t.storage_offset(), to_jax_dtype(t.dtype),
-                                t.is_conj(), t.is_neg()))
-        return targets
+            for k, t in enumerate(v if isinstance(v, (list, tuple)) else [v]):
+                slot = slots[i][k] if isinstance(v, (list, tuple)) else slots[i]
+                targets.append(slot)
+        return slots, targets, len(by_tensor)
 
     def _run_eager(self, compiled, vals, arrays, buffers, scalars, device):
         metrics.counters[self.metric_key] += 1
@@ -725,16 +738,19 @@ def _partitionable_draws():
     return jax.config.jax_threefry_partitionable
 
 
-def layout_key(t, buf, buffers):
+def layout_key(t, buf, buffers, offset=None):
     """What an executable compiled for tensor `t` (on storage `buf`) depends on: its dtype,
-    shape, strides and offset, which of `buffers` it reads (appended if new: inputs sharing a
-    storage alias), and lazy conj/neg bits.  Op executables and compiled graphs key by it."""
+    shape, strides and offset (`offset`, if given, in its place: `DYNAMIC`), which of
+    `buffers` it reads (appended if new: inputs sharing a storage alias), and lazy conj/neg
+    bits.  Op executables and compiled graphs key by it."""
     j = _index_of(buffers, buf)
     if j == len(buffers):
         buffers.append(buf)
+    if offset is None:
+        offset = t.storage_offset()
     if t.is_conj() or t.is_neg():  # lazily conjugated/negated views (x.conj(), ...)
-        return t.dtype, t.shape, t.stride(), t.storage_offset(), j, t.is_conj(), t.is_neg()
-    return t.dtype, t.shape, t.stride(), t.storage_offset(), j
+        return t.dtype, t.shape, t.stride(), offset, j, t.is_conj(), t.is_neg()
+    return t.dtype, t.shape, t.stride(), offset, j
 
 
 def _index_of(buffers, buf):
@@ -745,7 +761,26 @@ def _index_of(buffers, buf):
     return len(buffers)
 
 
-def _read(slot, arrays, scalar_it, promote_dtype):
+class Dynamic:
+    """In a slot: the offset is the executable's `index`-th offset argument."""
+    __slots__ = ("index",)
+
+    def __init__(self, index):
+        self.index = index
+
+    def __repr__(self):  # (stable across processes: persistent keys hold it)
+        return "DYNAMIC"
+
+    @staticmethod
+    def resolve(offset, offsets):
+        return offsets[offset.index] if isinstance(offset, Dynamic) else offset
+
+
+# In a key: this tensor's (nonzero) offset is an argument.
+DYNAMIC = "dynamic"
+
+
+def _read(slot, arrays, scalar_it, offsets, promote_dtype):
     if slot is None:
         return None
     if slot[0] == "num":
@@ -755,7 +790,8 @@ def _read(slot, arrays, scalar_it, promote_dtype):
         value = jnp.asarray(next(scalar_it), dtype=slot[1])
     else:
         j, shape, stride, offset, dtype, conj, neg = slot
-        value = _unapply_bits(strided.read(arrays[j], shape, stride, offset, dtype), conj, neg)
+        value = _unapply_bits(strided.read(arrays[j], shape, stride,
+                                           Dynamic.resolve(offset, offsets), dtype), conj, neg)
     if promote_dtype is not None and value.dtype != promote_dtype:
         value = value.astype(promote_dtype)
     return value

@@ -1,7 +1,8 @@
 """Reading and writing a tensor through its sizes/strides/offset over its storage's JAX array.
 
 These run at trace time inside the per-op executables, so the layout logic costs nothing per
-call once compiled.  Fast paths: the whole storage (a reshape), a contiguous range (a slice),
+call once compiled.  An offset is a Python int or, in op executables (where every nonzero
+offset is an argument, so that views at other offsets share the program), a traced integer.  Fast paths: the whole storage (a reshape), a contiguous range (a slice),
 a strided pattern that is a sub-lattice of a dense layout (reshape + slice + transpose);
 anything else (overlapping windows) becomes a gather with constant indices.
 """
@@ -42,15 +43,26 @@ def _as_dtype(array, dtype):
 _from_dtype = _as_dtype
 
 
+def _static(offset):
+    return isinstance(offset, (int, np.integer))
+
+
 def is_whole(array_shape, shape, stride, offset):
-    return offset == 0 and tuple(array_shape) == tuple(shape) and tuple(stride) == contiguous_strides(shape)
+    return _static(offset) and offset == 0 and tuple(array_shape) == tuple(shape) and tuple(stride) == contiguous_strides(shape)
 
 
 def _gather_indices(shape, stride, offset):
-    idx = np.full((), offset, dtype=np.int64)
+    idx = np.full((), offset if _static(offset) else 0, dtype=np.int64)
     for n, s in zip(shape, stride):
         idx = idx[..., None] + np.arange(n, dtype=np.int64) * s
-    return idx
+    return idx if _static(offset) else idx + offset
+
+
+def _slice(flat, offset, n):
+    """flat[offset:offset + n] (the view lies within the storage: no clamping happens)."""
+    if _static(offset):
+        return lax.slice(flat, (offset,), (offset + n,))
+    return lax.dynamic_slice(flat, (offset,), (n,))
 
 
 def read(array, shape, stride, offset, dtype):
@@ -62,7 +74,7 @@ def read(array, shape, stride, offset, dtype):
     if n == 0:
         return jnp.zeros(shape, dtype)
     if stride == contiguous_strides(shape):
-        return lax.slice(flat, (offset,), (offset + n,)).reshape(shape)
+        return _slice(flat, offset, n).reshape(shape)
     return _read_strided(flat, shape, stride, offset)
 
 
@@ -76,13 +88,17 @@ def _read_strided(flat, shape, stride, offset):
         for k in range(len(order) - 1))
     if not lattice:
         if not order:  # every element is the same storage element
-            value = lax.slice(flat, (offset,), (offset + 1,)).reshape((1,) * len(shape))
+            value = _slice(flat, offset, 1).reshape((1,) * len(shape))
             return jnp.broadcast_to(value, shape)
         return flat[_gather_indices(shape, stride, offset)]
     span = sizes[0] * strides[0]
-    if offset + span > flat.shape[0]:
-        flat = jnp.pad(flat, (0, offset + span - flat.shape[0]))
-    block = lax.slice(flat, (offset,), (offset + span,))
+    if _static(offset):
+        if offset + span > flat.shape[0]:
+            flat = jnp.pad(flat, (0, offset + span - flat.shape[0]))
+        block = lax.slice(flat, (offset,), (offset + span,))
+    else:  # the elements the view reaches lie in the storage; the rest of the span is padding
+        reach = 1 + sum((n - 1) * s for n, s in zip(sizes, strides))
+        block = jnp.pad(_slice(flat, offset, reach), (0, span - reach))
     block_shape = [sizes[0]] + [strides[k] // strides[k + 1] for k in range(len(order) - 1)] + [strides[-1]]
     block = block.reshape(block_shape)
     block = lax.slice(block, [0] * len(block_shape), sizes + [1]).reshape(sizes)

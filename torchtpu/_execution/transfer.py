@@ -22,8 +22,9 @@ _NUMPY_MAX_DIMS = 64
 
 
 @functools.lru_cache(maxsize=256)  # one executable per view layout read: bounded
-def _reader(shape, stride, offset, dtype):
-    return jax.jit(lambda a: strided.read(a, shape, stride, offset, dtype))
+def _reader(shape, stride, dtype):
+    # The offset is an argument, as in op executables: reading x[i] for every i is one program.
+    return jax.jit(lambda a, offset: strided.read(a, shape, stride, offset, dtype))
 
 
 def value_of(t):
@@ -34,7 +35,7 @@ def value_of(t):
     jdtype = to_jax_dtype(t.dtype)
     if arr.dtype == jdtype and strided.is_whole(arr.shape, shape, stride, offset):
         return arr
-    return _reader(shape, tuple(stride), offset, jdtype)(arr)
+    return _reader(shape, tuple(stride), jdtype)(arr, offset)
 
 
 def to_host(t):
