@@ -141,6 +141,20 @@ def test_overlapping_writes_raise_as_on_the_cpu():
     assert torch.equal(x.cpu(), torch.arange(6.0) * 2)
 
 
+def test_an_overlapping_write_raises_when_its_executable_was_built_for_other_offsets():
+    # Offsets are arguments, not part of an executable's key: the overlap check of a write
+    # whose storage another argument shares runs at every call, not only when it is built.
+    for device in ("cpu", "tpu"):
+        x = torch.arange(10.0, device=device)
+        x[6:9].add_(x[1:4])
+        torch.add(x[1:4], 1, out=x[6:9])
+        with pytest.raises(RuntimeError, match="input tensor and the written-to tensor"):
+            x[2:5].add_(x[1:4])
+        with pytest.raises(RuntimeError, match="input tensor and the written-to tensor"):
+            torch.add(x[1:4], 1, out=x[2:5])
+        assert x.cpu().tolist() == [0, 1, 2, 3, 4, 5, 2, 3, 4, 9]
+
+
 def test_multinomial_and_index_add_validate_like_the_cpu():
     with pytest.raises(RuntimeError, match="n_sample <= 0"):
         torch.multinomial(torch.ones(3, device="tpu"), 0)

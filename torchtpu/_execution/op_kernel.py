@@ -92,7 +92,8 @@ class _Number:
 
 
 class _Compiled:
-    __slots__ = ("key", "fn", "run", "out_specs", "wrap_specs", "writes", "check_info", "returns", "list_len")
+    __slots__ = ("key", "fn", "run", "out_specs", "wrap_specs", "writes", "check_info", "returns",
+                 "list_len", "recheck_overlap")
 
     def check_error(self, checks):
         """The error of the first of this op's index checks that failed (`checks`: their
@@ -234,6 +235,9 @@ class OpKernel:
             compiled = self._compile(key, vals, buffers, scalars, device)
         else:
             bounded.op_executables.lookup(compiled)  # marks it recently used
+            if compiled.recheck_overlap:
+                overlap.check(self, vals, resized=False)
+                overlap.check(self, vals, resized=True)
         if fused_mode and not (buffers or self.low.random) and _one_value(compiled) \
                 and not fused.capturing():
             # A single value made from Python numbers runs at once, outside the trace: code
@@ -460,6 +464,11 @@ class OpKernel:
         # Tensor slots as the lowering sees them, in schema order.
         slots, write_targets, n_offsets = self._slots(vals, buffers)
         compiled.writes = sorted({j for j, *_ in write_targets})
+        # Whether a written tensor and another argument overlap depends on their offsets, which
+        # the key leaves out: a call whose written storage another argument shares checks again.
+        used = [s[0] for v in slots.values() for s in (v if isinstance(v, list) else [v])
+                if s is not None and isinstance(s[0], int)]
+        compiled.recheck_overlap = bool(n_offsets) and any(used.count(j) > 1 for j in compiled.writes)
         low, fargs_idx, argdefs = self.low, self.functional_args, self.args
         # An out= op computes its functional's results, rounded to their dtypes, and casts them
         # to out's dtype (tanh(bfloat16, out=float32) rounds to bfloat16 first, as PyTorch).
