@@ -1,10 +1,12 @@
 """Reading and writing a tensor through its sizes/strides/offset over its storage's JAX array.
 
 These run at trace time inside the per-op executables, so the layout logic costs nothing per
-call once compiled.  An offset is a Python int or, in op executables (where every nonzero
-offset is an argument, so that views at other offsets share the program), a traced integer.  Fast paths: the whole storage (a reshape), a contiguous range (a slice),
+call once compiled.  Fast paths: the whole storage (a reshape), a contiguous range (a slice),
 a strided pattern that is a sub-lattice of a dense layout (reshape + slice + transpose);
 anything else (overlapping windows) becomes a gather with constant indices.
+
+An offset is a Python int or, in op executables (every nonzero offset is an argument there, so
+that views at other offsets share the program), a traced integer: slices become dynamic ones.
 """
 import math
 
@@ -48,7 +50,8 @@ def _static(offset):
 
 
 def is_whole(array_shape, shape, stride, offset):
-    return _static(offset) and offset == 0 and tuple(array_shape) == tuple(shape) and tuple(stride) == contiguous_strides(shape)
+    return (_static(offset) and offset == 0 and tuple(array_shape) == tuple(shape)
+            and tuple(stride) == contiguous_strides(shape))
 
 
 def _gather_indices(shape, stride, offset):
