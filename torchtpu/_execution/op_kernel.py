@@ -652,9 +652,11 @@ class OpKernel:
         """{argument index: its tensor's slot, or a list of them}, and the slots of the written
         tensors: (buffer, shape, strides, offset, dtype, conj, neg).  A nonzero offset is a
         `Dynamic`: the executable's k-th offset argument (in `_tensor`'s order)."""
-        slots, by_tensor = {}, {}
+        slots = {}
+        n_offsets = 0
 
         def slot_of(t):
+            nonlocal n_offsets
             if t is None:
                 return None
             if not isinstance(t, torch.Tensor):
@@ -664,8 +666,8 @@ class OpKernel:
             j = _index_of(buffers, t.untyped_storage()._tpu)
             offset = t.storage_offset()
             if offset:
-                offset = Dynamic(len(by_tensor))
-                by_tensor[len(by_tensor)] = t
+                offset = Dynamic(n_offsets)
+                n_offsets += 1
             return (j, tuple(t.shape), t.stride(), offset, to_jax_dtype(t.dtype),
                     t.is_conj(), t.is_neg())
 
@@ -674,13 +676,9 @@ class OpKernel:
                 slots[i] = slot_of(v)
             elif a.kind == _TLIST:
                 slots[i] = [slot_of(t) for t in v]
-        targets = []
-        for i in self.writes:
-            v = vals[i]
-            for k, t in enumerate(v if isinstance(v, (list, tuple)) else [v]):
-                slot = slots[i][k] if isinstance(v, (list, tuple)) else slots[i]
-                targets.append(slot)
-        return slots, targets, len(by_tensor)
+        targets = [t for i in self.writes
+                   for t in (slots[i] if isinstance(slots[i], list) else [slots[i]])]
+        return slots, targets, n_offsets
 
     def _run_eager(self, compiled, vals, arrays, buffers, scalars, device):
         metrics.counters[self.metric_key] += 1
@@ -777,8 +775,8 @@ class Dynamic:
     def __init__(self, index):
         self.index = index
 
-    def __repr__(self):  # (stable across processes: persistent keys hold it)
-        return "DYNAMIC"
+    def __repr__(self):
+        return f"Dynamic({self.index})"
 
     @staticmethod
     def resolve(offset, offsets):
