@@ -169,3 +169,18 @@ def test_scaled_dot_product_attention_refuses_what_the_cpu_refuses(bad):
         call("cpu")
     with pytest.raises(type(cpu_error.value)):
         call("tpu")
+
+
+def test_where_takes_a_uint8_condition_as_the_cpu_does():
+    # Deprecated but accepted by the CPU kernel (nonzero is True), with a warning; PyTorch's
+    # meta kernel, which the lowering's shapes come from, refuses it.
+    c = torch.tensor([[1, 0, 2], [0, 3, 0]], dtype=torch.uint8)
+    x, y = torch.randn(2, 3), torch.randn(2, 3)
+    want = torch.where(c, x, y)
+    with pytest.warns(UserWarning, match="uint8 condition"):
+        got = torch.where(c.to("tpu"), x.to("tpu"), y.to("tpu"))
+    assert_same(got, want)
+    out = torch.empty(2, 3, device="tpu")
+    with pytest.warns(UserWarning, match="uint8 condition"):
+        torch.where(c.to("tpu"), x.to("tpu"), y.to("tpu"), out=out)
+    assert_same(out, want)

@@ -1,6 +1,8 @@
 """Dispatcher kernels composed of table kernels and tpu ops, for ops whose PyTorch contract the
 lowering table's pure functions cannot express: in-place running statistics, PyTorch's choice
 of factoring a transpose, an output filled in place *and* returned."""
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -125,6 +127,27 @@ def _huber_loss(x, target, reduction=1, delta=1.0):
     return loss.mean() if reduction == 1 else loss.sum() if reduction == 2 else loss
 
 
+# --- where with a uint8 condition ----------------------------------------------------------
+
+# PyTorch's CPU kernel takes a uint8 condition as a boolean one, with a deprecation warning
+# (its meta kernel, which the table kernel runs, refuses it).
+def _bool_condition(condition):
+    if condition.dtype == torch.uint8:
+        warnings.warn("where received a uint8 condition tensor. This behavior is deprecated and "
+                      "will be removed in a future version of PyTorch. Use a boolean condition "
+                      "instead.", stacklevel=3)  # (the caller's line, as the CPU's warning)
+        return condition.bool()
+    return condition
+
+
+def _where(condition, x, y):
+    return kernel_for(aten.where.self)(_bool_condition(condition), x, y)
+
+
+def _where_out(condition, x, y, *, out):
+    return kernel_for(aten.where.self_out)(_bool_condition(condition), x, y, out=out)
+
+
 # --- scaled dot-product attention ------------------------------------------------------------
 
 # PyTorch picks an attention kernel per device through a C++ dispatch stub that a Python backend
@@ -188,4 +211,6 @@ def kernels():
             aten.rrelu_with_noise.default: _rrelu_with_noise,
             aten.arange.start_out: _arange_out,
             aten.zero_.default: _zero_,
-            aten.huber_loss.default: _huber_loss}
+            aten.huber_loss.default: _huber_loss,
+            aten.where.self: _where,
+            aten.where.self_out: _where_out}
