@@ -81,9 +81,10 @@ def sdpa_backward(grad_out, q, k, v, attn_bias, grad_input_mask, out, logsumexp,
     def forward(q, k, v, bias):
         return _attention(q, k, v, bias, is_causal, scale)[0]
 
+    # (the forward again: the cotangent takes its result's dtype, float32 for half inputs)
     if bias_grad:
-        out, vjp = jax.vjp(forward, q, k, v, attn_bias)
-        return vjp(grad_out.astype(out.dtype))
-    out, vjp = jax.vjp(lambda q, k, v: forward(q, k, v, attn_bias), q, k, v)
-    gq, gk, gv = vjp(grad_out.astype(out.dtype))
+        result, vjp = jax.vjp(forward, q, k, v, attn_bias)
+        return vjp(grad_out.astype(result.dtype))
+    result, vjp = jax.vjp(lambda q, k, v: forward(q, k, v, attn_bias), q, k, v)
+    gq, gk, gv = vjp(grad_out.astype(result.dtype))
     return gq, gk, gv, None if attn_bias is None else jnp.zeros_like(attn_bias)
