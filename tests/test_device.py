@@ -296,3 +296,24 @@ def test_views_at_other_offsets_share_one_executable():
              metrics.build_counts["aten.add_.Tensor"] - before[1])
     # mul: a row and a column layout, each at offset 0 and at any other offset
     assert built[0] <= 4 and built[1] <= 1, built
+
+
+def test_views_differing_only_in_size_one_strides_share_one_executable():
+    # The last token of a growing [1, L] sequence is a [1, 1] view of strides (L, 1): the
+    # stride of a size-1 dim is not part of the key.  Outputs keep PyTorch's strides (clone
+    # keeps the input's, elementwise ops give their own).
+    from torchtpu._core import metrics
+    x = torch.arange(64.0)
+    d = x.to("tpu")
+    names = ("aten.clone.default", "aten.mul.Tensor", "aten.sum.dim_IntList")
+    before = [metrics.build_counts[n] for n in names]
+    for n in range(4, 14):
+        for fn in (lambda t: t[:n].view(1, n)[:, -1:].clone(),
+                   lambda t: t[:n].view(1, n)[:, -2:] * 2,
+                   lambda t: t[:2 * n].view(2, n)[:, 1:2].sum(1, keepdim=True),
+                   lambda t: t[:n].view(n, 1)[2:5].clone()):
+            got, want = fn(d), fn(x)
+            assert got.stride() == want.stride() and got.shape == want.shape
+            assert torch.equal(got.cpu(), want)
+    built = [metrics.build_counts[n] - b for n, b in zip(names, before)]
+    assert built[0] <= 2 and built[1] <= 1 and built[2] <= 1, built

@@ -93,7 +93,17 @@ class _Number:
 
 class _Compiled:
     __slots__ = ("key", "fn", "run", "out_specs", "wrap_specs", "writes", "check_info", "returns",
-                 "list_len", "recheck_overlap")
+                 "list_len", "recheck_overlap", "meta_returns", "variants")
+
+    def with_outputs(self, out_specs):
+        """The same executable giving its outputs other layouts (`variants`)."""
+        variant = _Compiled()
+        for name in _Compiled.__slots__:
+            setattr(variant, name, getattr(self, name))
+        variant.out_specs = out_specs
+        variant.wrap_specs = _wrap_specs(out_specs)
+        variant.variants = None
+        return variant
 
     def check_error(self, checks):
         """The error of the first of this op's index checks that failed (`checks`: their
@@ -182,6 +192,7 @@ class OpKernel:
         buffers = []
         scalars = []
         offsets = []
+        exact = []  # the strides the key leaves out (see _tensor)
         device = None
         for a, v in zip(self.args, vals):
             kind = a.kind
@@ -189,14 +200,14 @@ class OpKernel:
                 if v is None:
                     key.append(None)
                 else:
-                    device = self._tensor(v, key, buffers, scalars, offsets, device)
+                    device = self._tensor(v, key, buffers, scalars, offsets, exact, device)
             elif kind == _TLIST:
                 key.append(len(v))
                 for t in v:
                     if t is None:
                         key.append(None)
                     else:
-                        device = self._tensor(t, key, buffers, scalars, offsets, device)
+                        device = self._tensor(t, key, buffers, scalars, offsets, exact, device)
             elif kind == _SCALAR:
                 if v is None:
                     key.append(None)
@@ -232,12 +243,14 @@ class OpKernel:
         key = tuple(key)
         compiled = self.cache.get(key)
         if compiled is None:
-            compiled = self._compile(key, vals, buffers, scalars, device)
+            compiled = self._compile(key, vals, buffers, scalars, device, tuple(exact))
         else:
             bounded.op_executables.lookup(compiled)  # marks it recently used
             if compiled.recheck_overlap:
                 overlap.check(self, vals, resized=False)
                 overlap.check(self, vals, resized=True)
+        if compiled.variants is not None:
+            compiled = self._variant(compiled, vals, tuple(exact))
         if fused_mode and not (buffers or self.low.random) and _one_value(compiled) \
                 and not fused.capturing():
             # A single value made from Python numbers runs at once, outside the trace: code
@@ -297,7 +310,7 @@ class OpKernel:
                     f"{debug.format_where(debug.user_frame(3))}")
         return outs, updated, checks
 
-    def _tensor(self, t, key, buffers, scalars, offsets, device):
+    def _tensor(self, t, key, buffers, scalars, offsets, exact, device):
         if not isinstance(t, torch.Tensor):
             # PyTorch hands wrapped numbers (`x + 1`) to Python kernels as plain numbers.
             key.append(type(t))
@@ -316,7 +329,14 @@ class OpKernel:
             if offset:
                 offsets.append(offset)
                 offset = DYNAMIC
-            key.append(layout_key(t, buf, buffers, offset))
+            # Nor is the stride of a size-1 dim, which addresses no other element: the last
+            # token of a growing [1, L] sequence is a [1, 1] view of strides (L, 1).  Where
+            # the outputs' strides follow it (clone keeps them), `variants` gives each its own.
+            stride = t.stride()
+            if 1 in t.shape:
+                exact.append(stride)
+                stride = _size_one_strides(t.shape, stride, 1)
+            key.append(layout_key(t, buf, buffers, offset, stride))
         elif t.dim() == 0 and t.device.type == "cpu":
             # A 0-dim CPU tensor mixes with device tensors (as with CUDA): its value is traced.
             key.append(("cpu", t.dtype, _is_wrapped_number(t)))
@@ -360,7 +380,8 @@ class OpKernel:
         return results[0] if len(results) == 1 else tuple(results)
 
     # -- building an executable ------------------------------------------------------------
-    def _meta_args(self, vals):
+    def _meta_args(self, vals, strides=None):
+        """Meta tensors for `vals` (`strides(shape, stride)`: other strides for them)."""
         metas = {}
 
         def meta_of(t):
@@ -378,7 +399,8 @@ class OpKernel:
                 base = metas[id(st)] = torch.empty(st.nbytes(), dtype=torch.uint8, device="meta")
             itemsize = t.dtype.itemsize
             usable = base[: (base.numel() // itemsize) * itemsize]
-            return usable.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+            stride = t.stride() if strides is None else strides(t.shape, t.stride())
+            return usable.view(t.dtype).as_strided(t.shape, stride, t.storage_offset())
 
         pos, kw = [], {}
         for a, v in zip(self.args, vals):
@@ -394,13 +416,15 @@ class OpKernel:
                 pos.append(v)
         return pos, kw
 
-    def _compile(self, key, vals, buffers, scalars, device):
+    def _compile(self, key, vals, buffers, scalars, device, exact):
         with self.lock:
             compiled = self.cache.get(key)
             if compiled is not None:
                 return compiled
             with metrics.span(f"torchtpu::compile {self.overload}"):
                 compiled = self._build(vals, buffers, scalars, device)
+            if exact and self._outputs_follow_size_one_strides(vals, compiled):
+                compiled.variants = {exact: compiled}
             compiled.key = key
             if not self.low.eager:  # eager ops run un-jitted and are rebuilt per call
                 compiled.fn = executables.Executable(
@@ -411,6 +435,31 @@ class OpKernel:
                 self.cache[key] = compiled
                 bounded.op_executables.insert(compiled, self.cache)
             return compiled
+
+    def _outputs_follow_size_one_strides(self, vals, compiled):
+        """Whether the outputs' strides change with the strides of the inputs' size-1 dims
+        (which the key leaves out): the meta kernel asked again with each of them one more."""
+        if self.low.eager or not compiled.out_specs:
+            return False
+        try:
+            pos, kw = self._meta_args(vals, _size_one_strides)
+            meta_out = self.overload(*pos, **kw)
+        except Exception:  # noqa: BLE001 - refused with other strides: give each its own
+            return True
+        return self._out_specs(meta_out, compiled.meta_returns) != compiled.out_specs
+
+    def _variant(self, compiled, vals, exact):
+        """`compiled` giving its outputs the layouts PyTorch gives them for these inputs."""
+        variant = compiled.variants.get(exact)
+        if variant is None:
+            pos, kw = self._meta_args(vals)
+            out_specs = self._out_specs(self.overload(*pos, **kw), compiled.meta_returns)
+            variant = compiled.variants[exact] = compiled.with_outputs(out_specs)
+        return variant
+
+    def _out_specs(self, meta_out, returns):
+        return [(tuple(m.shape), _dense_strides(m), m.dtype)
+                for m in self._fresh_meta_outputs(meta_out, returns)]
 
     def _persistent_key(self, key):
         """The key of this op's executable across processes, or None to keep it in memory
@@ -449,10 +498,9 @@ class OpKernel:
             returns = ["none" if r is None and m is None
                        else _Number(m) if r is None and isinstance(m, (int, torch.SymInt)) else r
                        for r, m in zip(returns, meta_out)]
-        compiled.returns = returns
-        out_specs = [] if meta_out is None else [
-            (tuple(m.shape), _dense_strides(m), m.dtype)
-            for m in self._fresh_meta_outputs(meta_out, returns)]
+        compiled.returns = compiled.meta_returns = returns
+        compiled.variants = None
+        out_specs = [] if meta_out is None else self._out_specs(meta_out, returns)
         for shape, stride, dtype in out_specs:
             storage.check_allocation(shape, stride, dtype, device)
         compiled.out_specs = out_specs
@@ -745,9 +793,9 @@ def _partitionable_draws():
     return jax.config.jax_threefry_partitionable
 
 
-def layout_key(t, buf, buffers, offset=None):
+def layout_key(t, buf, buffers, offset=None, stride=None):
     """What an executable compiled for tensor `t` (on storage `buf`) depends on: its dtype,
-    shape, strides and offset (`offset`, if given, in its place: `DYNAMIC`), which of
+    shape, strides and offset (`offset` and `stride`, if given, in their place), which of
     `buffers` it reads (appended if new: inputs sharing a storage alias), and lazy conj/neg
     bits.  Op executables and compiled graphs key by it."""
     j = _index_of(buffers, buf)
@@ -755,9 +803,17 @@ def layout_key(t, buf, buffers, offset=None):
         buffers.append(buf)
     if offset is None:
         offset = t.storage_offset()
+    if stride is None:
+        stride = t.stride()
     if t.is_conj() or t.is_neg():  # lazily conjugated/negated views (x.conj(), ...)
-        return t.dtype, t.shape, t.stride(), offset, j, t.is_conj(), t.is_neg()
-    return t.dtype, t.shape, t.stride(), offset, j
+        return t.dtype, t.shape, stride, offset, j, t.is_conj(), t.is_neg()
+    return t.dtype, t.shape, stride, offset, j
+
+
+def _size_one_strides(shape, stride, value=None):
+    """`stride` with each size-1 dim's stride set to `value` (None: one more than it is)."""
+    return tuple(s if n != 1 else value if value is not None else s + 1
+                 for n, s in zip(shape, stride))
 
 
 def _index_of(buffers, buf):
