@@ -86,6 +86,25 @@ def test_greedy_generate_with_kv_cache_matches_cpu(kind):
     assert torch.equal(got.cpu(), expected)
 
 
+def test_static_cache_decodes_new_lengths_with_the_executables_it_has():
+    # generate() grows input_ids by a token per step: with the static KV cache, every other
+    # shape stays the same, and the growing sequence keeps its storage's shape (composite
+    # _cat), so lengths never seen before compile nothing.
+    from torchtpu._core import metrics
+    torch.manual_seed(0)
+    model = _llama().eval()
+    tpu_model = copy.deepcopy(model).to("tpu")
+    prompt = torch.randint(0, 128, (1, 8))
+    kw = dict(do_sample=False, pad_token_id=0, cache_implementation="static", max_cache_len=48)
+    tpu_model.generate(prompt.to("tpu"), max_new_tokens=3, min_new_tokens=3, **kw).cpu()
+    before = sum(metrics.build_counts.values())
+    got = tpu_model.generate(prompt.to("tpu"), max_new_tokens=30, min_new_tokens=30, **kw)
+    torch.tpu.synchronize()
+    built = sum(metrics.build_counts.values()) - before
+    assert torch.equal(got.cpu(), model.generate(prompt, max_new_tokens=30, min_new_tokens=30, **kw))
+    assert built == 0, {k: v for k, v in metrics.build_counts.items()}
+
+
 def test_bf16_autocast_step_is_close_to_fp32():
     torch.manual_seed(0)
     model = _llama().to("tpu")

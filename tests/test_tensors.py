@@ -273,3 +273,53 @@ def test_ops_on_views_at_many_offsets_read_and_write_the_right_elements():
         assert_same(dz.conj()[i] * 2, z.conj()[i] * 2)
         assert_same(torch.view_as_real(dz[i:]).sum(0), torch.view_as_real(z[i:]).sum(0))
     assert_same(d, x)
+
+
+def test_a_sequence_growing_by_appends_matches_the_cpu():
+    # Appends onto an appended result write into a storage with room to spare (composite
+    # _cat): values, strides, storage sizes, aliasing and gradients stay the CPU's.
+    x = torch.arange(6).view(1, 6)
+    d = x.to("tpu")
+    kept = []
+    for step in range(70):  # past the first capacity (64 elements)
+        x = torch.cat([x, (x[:, -1:] * 7 + step) % 101], dim=-1)
+        d = torch.cat([d, (d[:, -1:] * 7 + step) % 101], dim=-1)
+        assert d.untyped_storage().nbytes() == x.untyped_storage().nbytes()
+        if step % 9 == 0:
+            assert_same(d, x)
+            kept.append((d, x.clone()))
+    for got, want in kept:  # earlier results are not changed by later appends
+        assert_same(got, want)
+    d[0, 3] = -1  # writing into the result leaves what it was appended from alone
+    assert_same(kept[-1][0], kept[-1][1])
+    assert d[0, 3].item() == -1
+    kept[-1][0][0, 5] = -2  # and the other way round
+    assert d[0, 5].item() == x[0, 5].item()
+    buffer = io.BytesIO()
+    torch.save(d, buffer)
+    assert_same(torch.load(io.BytesIO(buffer.getvalue())), torch.cat([x[:, :3], x.new_full((1, 1), -1), x[:, 4:]], 1))
+    # along dim 0 of a 1-D sequence, with a float tensor and its gradient
+    w, v = torch.randn(3, requires_grad=True), torch.randn(2, requires_grad=True)
+    wt, vt = w.detach().to("tpu").requires_grad_(), v.detach().to("tpu").requires_grad_()
+    a, at = w * 1, wt * 1
+    for _ in range(4):
+        a, at = torch.cat([a, v * a[-1]]), torch.cat([at, vt * at[-1]])
+    assert_same(at, a, rtol=1e-5, atol=1e-6)
+    a.sum().backward()
+    at.sum().backward()
+    assert_same(wt.grad, w.grad, rtol=1e-5, atol=1e-5)
+    assert_same(vt.grad, v.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_appends_of_the_last_token_reuse_their_executables():
+    from torchtpu._core import metrics
+    d = torch.arange(8).view(1, 8).to("tpu")
+    for step in range(4):  # warm-up: the first appends and their first capacity
+        d = torch.cat([d, d[:, -1:] + 1], dim=-1)
+    torch.tpu.synchronize()
+    before = sum(metrics.build_counts.values())
+    for step in range(40):
+        d = torch.cat([d, d[:, -1:] + 1], dim=-1)
+    torch.tpu.synchronize()
+    assert torch.equal(d.cpu(), torch.arange(52).view(1, 52))
+    assert sum(metrics.build_counts.values()) - before <= 3  # the second capacity (128)
