@@ -282,6 +282,9 @@ def test_a_sequence_growing_by_appends_matches_the_cpu():
     d = x.to("tpu")
     kept = []
     for step in range(70):  # past the first capacity (64 elements)
+        if step % 5 == 4:  # an element of the sequence itself (a view of its storage)
+            x = torch.cat([x, x[:, 2:3]], dim=1)
+            d = torch.cat([d, d[:, 2:3]], dim=1)
         x = torch.cat([x, (x[:, -1:] * 7 + step) % 101], dim=-1)
         d = torch.cat([d, (d[:, -1:] * 7 + step) % 101], dim=-1)
         assert d.untyped_storage().nbytes() == x.untyped_storage().nbytes()

@@ -33,6 +33,7 @@ _T, _TOPT, _TLIST, _SCALAR, _STATIC, _DEVICE, _SCALARLIST = range(7)
 _meta_device = torch.device("meta")
 _FUSED, _BLOCKING = modes.EagerMode.DEFER_AND_FUSE, modes.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
 _STRICT = modes.EagerMode.DEFER_NEVER
+_MAX_VARIANTS = 256  # output layouts kept per executable (see OpKernel._variant)
 
 
 class _Arg:
@@ -250,7 +251,7 @@ class OpKernel:
                 overlap.check(self, vals, resized=False)
                 overlap.check(self, vals, resized=True)
         if compiled.variants is not None:
-            compiled = self._variant(compiled, vals, tuple(exact))
+            compiled = self._variant(compiled, vals, tuple(exact), buffers, scalars, device)
         if fused_mode and not (buffers or self.low.random) and _one_value(compiled) \
                 and not fused.capturing():
             # A single value made from Python numbers runs at once, outside the trace: code
@@ -335,7 +336,7 @@ class OpKernel:
             stride = t.stride()
             if 1 in t.shape:
                 exact.append(stride)
-                stride = _size_one_strides(t.shape, stride, 1)
+                stride = _size_one_strides(t.shape, stride)
             key.append(layout_key(t, buf, buffers, offset, stride))
         elif t.dim() == 0 and t.device.type == "cpu":
             # A 0-dim CPU tensor mixes with device tensors (as with CUDA): its value is traced.
@@ -380,8 +381,7 @@ class OpKernel:
         return results[0] if len(results) == 1 else tuple(results)
 
     # -- building an executable ------------------------------------------------------------
-    def _meta_args(self, vals, strides=None):
-        """Meta tensors for `vals` (`strides(shape, stride)`: other strides for them)."""
+    def _meta_args(self, vals):
         metas = {}
 
         def meta_of(t):
@@ -399,8 +399,7 @@ class OpKernel:
                 base = metas[id(st)] = torch.empty(st.nbytes(), dtype=torch.uint8, device="meta")
             itemsize = t.dtype.itemsize
             usable = base[: (base.numel() // itemsize) * itemsize]
-            stride = t.stride() if strides is None else strides(t.shape, t.stride())
-            return usable.view(t.dtype).as_strided(t.shape, stride, t.storage_offset())
+            return usable.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
 
         pos, kw = [], {}
         for a, v in zip(self.args, vals):
@@ -421,40 +420,42 @@ class OpKernel:
             compiled = self.cache.get(key)
             if compiled is not None:
                 return compiled
-            with metrics.span(f"torchtpu::compile {self.overload}"):
-                compiled = self._build(vals, buffers, scalars, device)
-            if exact and self._outputs_follow_size_one_strides(vals, compiled):
+            compiled = self._executable(key, vals, buffers, scalars, device)
+            if exact and compiled.out_specs and not self.low.eager:
                 compiled.variants = {exact: compiled}
-            compiled.key = key
             if not self.low.eager:  # eager ops run un-jitted and are rebuilt per call
-                compiled.fn = executables.Executable(
-                    compiled.run, self._persistent_key(key), str(self.overload),
-                    describe=lambda: debug.describe_key(key),
-                    traced=(lambda: list(compiled.check_info), _restorer(compiled.check_info)))
-                metrics.counters["compiles"] += 1
                 self.cache[key] = compiled
                 bounded.op_executables.insert(compiled, self.cache)
             return compiled
 
-    def _outputs_follow_size_one_strides(self, vals, compiled):
-        """Whether the outputs' strides change with the strides of the inputs' size-1 dims
-        (which the key leaves out): the meta kernel asked again with each of them one more."""
-        if self.low.eager or not compiled.out_specs:
-            return False
-        try:
-            pos, kw = self._meta_args(vals, _size_one_strides)
-            meta_out = self.overload(*pos, **kw)
-        except Exception:  # noqa: BLE001 - refused with other strides: give each its own
-            return True
-        return self._out_specs(meta_out, compiled.meta_returns) != compiled.out_specs
+    def _executable(self, key, vals, buffers, scalars, device):
+        with metrics.span(f"torchtpu::compile {self.overload}"):
+            compiled = self._build(vals, buffers, scalars, device)
+        compiled.key = key
+        if not self.low.eager:
+            compiled.fn = executables.Executable(
+                compiled.run, self._persistent_key(key), str(self.overload),
+                describe=lambda: debug.describe_key(key),
+                traced=(lambda: list(compiled.check_info), _restorer(compiled.check_info)))
+            metrics.counters["compiles"] += 1
+        return compiled
 
-    def _variant(self, compiled, vals, exact):
-        """`compiled` giving its outputs the layouts PyTorch gives them for these inputs."""
+    def _variant(self, compiled, vals, exact, buffers, scalars, device):
+        """`compiled` giving its outputs the layouts PyTorch gives them for these inputs (the
+        meta kernel asked once per pattern of size-1 strides: clone keeps them, and they can
+        tip a 4-D layout into channels-last): the same program where the outputs' elements lie
+        in the same order (their strides differ only in size-1 dims), else one of their own."""
         variant = compiled.variants.get(exact)
         if variant is None:
+            if len(compiled.variants) >= _MAX_VARIANTS:  # a sequence growing without end
+                compiled.variants.clear()
             pos, kw = self._meta_args(vals)
             out_specs = self._out_specs(self.overload(*pos, **kw), compiled.meta_returns)
-            variant = compiled.variants[exact] = compiled.with_outputs(out_specs)
+            if all(_live_strides(*s) == _live_strides(*b) for s, b in zip(out_specs, compiled.out_specs)):
+                variant = compiled.with_outputs(out_specs)
+            else:
+                variant = self._executable(compiled.key + (exact,), vals, buffers, scalars, device)
+            compiled.variants[exact] = variant
         return variant
 
     def _out_specs(self, meta_out, returns):
@@ -810,10 +811,14 @@ def layout_key(t, buf, buffers, offset=None, stride=None):
     return t.dtype, t.shape, stride, offset, j
 
 
-def _size_one_strides(shape, stride, value=None):
-    """`stride` with each size-1 dim's stride set to `value` (None: one more than it is)."""
-    return tuple(s if n != 1 else value if value is not None else s + 1
-                 for n, s in zip(shape, stride))
+def _live_strides(shape, stride, dtype=None):
+    """The strides that place elements: those of the dims that are not size 1."""
+    return tuple(s for n, s in zip(shape, stride) if n != 1)
+
+
+def _size_one_strides(shape, stride):
+    """`stride` with the stride of each size-1 dim set to 1."""
+    return tuple(s if n != 1 else 1 for n, s in zip(shape, stride))
 
 
 def _index_of(buffers, buf):
