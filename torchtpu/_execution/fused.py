@@ -113,7 +113,7 @@ def _record(kernel, compiled, vals, buffers, scalars, device):
             if tr.ext_buffers is not None:
                 tr.ext_buffers.append(b)
         wiring.append(-1 - k)
-    tr.signature.append((compiled, tuple(wiring), len(scalars)))
+    tr.signature.append((compiled.program, tuple(wiring), len(scalars)))
     tr.where.append((kernel, debug.user_frame(3)))
     tr.scalars.extend(scalars)
     pendings = tr.pendings

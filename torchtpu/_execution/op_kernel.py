@@ -94,10 +94,12 @@ class _Number:
 
 class _Compiled:
     __slots__ = ("key", "fn", "run", "out_specs", "wrap_specs", "writes", "check_info", "returns",
-                 "list_len", "recheck_overlap", "meta_returns", "variants")
+                 "list_len", "recheck_overlap", "meta_returns", "variants", "program")
 
     def with_outputs(self, out_specs):
-        """The same executable giving its outputs other layouts (`variants`)."""
+        """The same executable giving its outputs other layouts (`variants`).  `program`, the
+        compiled object that stands for the program in fused traces, stays the same: a
+        segment is the same program whatever layouts its ops' outputs were given."""
         variant = _Compiled()
         for name in _Compiled.__slots__:
             setattr(variant, name, getattr(self, name))
@@ -476,6 +478,7 @@ class OpKernel:
     def _build(self, vals, buffers, scalars, device):
         overlap.check(self, vals, resized=False)
         compiled = _Compiled()
+        compiled.program = compiled
         pos, kw = self._meta_args(vals)
         if self.low.eager:
             meta_out = None
