@@ -2,7 +2,7 @@
 and how much decoding over new lengths costs.
 
     python benchmarks/warmup.py [--quick] [--modes strict,fused,compile] [--workers 0,1,2]
-                                [--repeat 2] [--no-decode]
+                                [--repeat 2] [--no-decode] [--decode-modes strict,fused]
 
 Time to a steady step: the first 3 training steps (forward, backward, AdamW) of the GPT of
 train_step.py, in a fresh process, for each mode against the same step written in JAX under
@@ -17,7 +17,7 @@ compiles on the calling thread), 1 and 2 (a pool compiles while the host dispatc
 
 Decoding: greedy `generate()` of a small random-weight Llama (no downloads) over lengths not
 seen before, against the same call once warm, with the dynamic (default) and the static KV
-cache; tokens are compared with the CPU's.
+cache, in strict and fused eager; tokens are compared with the CPU's.
 
 Timings on a shared machine are noisy: compare ratios taken in the same run.
 """
@@ -98,13 +98,15 @@ def _child_train(mode, a):
     return result
 
 
-def _child_decode(cache_impl, quick):
+def _child_decode(what, quick):
     """Greedy decoding of a small random-weight Llama: a short warm-up call, then `new`
-    tokens over lengths not seen before, then the same call again (warm)."""
+    tokens over lengths not seen before, then the same call again (warm).  `what`:
+    "cache implementation:eager mode"."""
     import torch
     import torchtpu
     from transformers import LlamaConfig, LlamaForCausalLM
-    torch.tpu.eager_mode = "strict"
+    cache_impl, mode = what.split(":")
+    torch.tpu.eager_mode = mode
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     torch.manual_seed(0)
@@ -155,6 +157,7 @@ def main():
                     "compile comparison (strict, cold); empty: skip it")
     ap.add_argument("--repeat", type=int, default=2, help="rounds of the parallel-compile comparison")
     ap.add_argument("--no-decode", action="store_true")
+    ap.add_argument("--decode-modes", default="strict,fused")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -221,14 +224,16 @@ def main():
 
     if a.no_decode:
         return
-    print("\nDecoding (greedy generate(), small random-weight Llama, strict eager): "
+    print("\nDecoding (greedy generate(), small random-weight Llama): "
           "lengths not seen before vs the same call warm")
-    for impl in ("dynamic", "static"):
-        d = _spawn(["--child", "decode", impl, *quick], dict(os.environ, TORCHTPU_CACHE_DIR=""))
-        print(f"  {impl:8s} cache: {d['tokens']} new tokens {d['new']:6.2f} s vs warm {d['warm']:6.2f} s "
-              f"= {d['new'] / d['warm']:6.2f}x (target <= 2x); {d['built']} executables built "
-              f"({d['built'] / d['tokens']:.1f} per token); tokens "
-              f"{'equal' if d['equal'] else 'DIFFER from'} the CPU's")
+    for mode in a.decode_modes.split(","):
+        for impl in ("dynamic", "static"):
+            d = _spawn(["--child", "decode", f"{impl}:{mode}", *quick],
+                       dict(os.environ, TORCHTPU_CACHE_DIR=""))
+            print(f"  {mode:6s} {impl:8s} cache: {d['tokens']} new tokens {d['new']:6.2f} s vs "
+                  f"warm {d['warm']:6.2f} s = {d['new'] / d['warm']:6.2f}x (target <= 2x); "
+                  f"{d['built']} executables built ({d['built'] / d['tokens']:.1f} per token); "
+                  f"tokens {'equal' if d['equal'] else 'DIFFER from'} the CPU's")
 
 
 if __name__ == "__main__":

@@ -223,7 +223,7 @@ def _append(a, b, d):
 # op PyTorch provides for other devices instead (one program; its backward has PyTorch's own
 # autograd formula), unless the call is one the fused lowering does not cover or the user has
 # turned that backend off (torch.nn.attention.sdpa_kernel): then the op's own composite runs.
-def _fused_attention_covers(q, k, v, mask, dropout_p, is_causal, enable_gqa):
+def _fused_attention_covers(q, k, v, mask, dropout_p, enable_gqa):
     if dropout_p != 0.0 or not torch._C._get_overrideable_sdp_enabled():
         return False
     if not (q.dim() == k.dim() == v.dim() and q.dim() in (3, 4)):
@@ -252,7 +252,7 @@ def _fused_attention_covers(q, k, v, mask, dropout_p, is_causal, enable_gqa):
 
 def _scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *,
                                   scale=None, enable_gqa=False):
-    if _fused_attention_covers(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa):
+    if _fused_attention_covers(q, k, v, attn_mask, dropout_p, enable_gqa):
         return aten._scaled_dot_product_fused_attention_overrideable(
             q, k, v, attn_mask, dropout_p, is_causal, scale=scale)[0]
     return aten.scaled_dot_product_attention.default.decompose(
