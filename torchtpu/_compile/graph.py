@@ -54,7 +54,7 @@ def layout_key(args):
     """Everything a capture depends on: each tensor's layout as an op's executable sees it
     (which inputs share storage included), its storage's size and device."""
     key = []
-    buffers = []
+    buffers = op_kernel.Buffers()
     for a in args:
         if isinstance(a, torch.Tensor):
             buf = _buffer(a)

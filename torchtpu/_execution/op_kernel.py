@@ -192,7 +192,7 @@ class OpKernel:
         if self.low.validate is not None:
             self.low.validate(*[vals[i] for i in self.functional_args])
         key = []
-        buffers = []
+        buffers = Buffers()
         scalars = []
         offsets = []
         exact = []  # the strides the key leaves out (see _tensor)
@@ -453,7 +453,8 @@ class OpKernel:
                 compiled.variants.clear()
             pos, kw = self._meta_args(vals)
             out_specs = self._out_specs(self.overload(*pos, **kw), compiled.meta_returns)
-            if all(_live_strides(*s) == _live_strides(*b) for s, b in zip(out_specs, compiled.out_specs)):
+            if all(_live_strides(shape, stride) == _live_strides(old_shape, old_stride)
+                   for (shape, stride, _), (old_shape, old_stride, _) in zip(out_specs, compiled.out_specs)):
                 variant = compiled.with_outputs(out_specs)
             else:
                 variant = self._executable(compiled.key + (exact,), vals, buffers, scalars, device)
@@ -715,7 +716,7 @@ class OpKernel:
                 return ("num",)
             if t.device.type != "tpu":
                 return ("cpu", to_jax_dtype(t.dtype))
-            j = _index_of(buffers, t.untyped_storage()._tpu)
+            j = buffers.positions[t.untyped_storage()._tpu]
             offset = t.storage_offset()
             if offset:
                 offset = Dynamic(n_offsets)
@@ -800,11 +801,9 @@ def _partitionable_draws():
 def layout_key(t, buf, buffers, offset=None, stride=None):
     """What an executable compiled for tensor `t` (on storage `buf`) depends on: its dtype,
     shape, strides and offset (`offset` and `stride`, if given, in their place), which of
-    `buffers` it reads (appended if new: inputs sharing a storage alias), and lazy conj/neg
+    `buffers` (a `Buffers`) it reads (added if new: inputs sharing a storage alias), and lazy conj/neg
     bits.  Op executables and compiled graphs key by it."""
-    j = _index_of(buffers, buf)
-    if j == len(buffers):
-        buffers.append(buf)
+    j = buffers.position(buf)
     if offset is None:
         offset = t.storage_offset()
     if stride is None:
@@ -814,7 +813,7 @@ def layout_key(t, buf, buffers, offset=None, stride=None):
     return t.dtype, t.shape, stride, offset, j
 
 
-def _live_strides(shape, stride, dtype=None):
+def _live_strides(shape, stride):
     """The strides that place elements: those of the dims that are not size 1."""
     return tuple(s for n, s in zip(shape, stride) if n != 1)
 
@@ -824,12 +823,24 @@ def _size_one_strides(shape, stride):
     return tuple(s if n != 1 else 1 for n, s in zip(shape, stride))
 
 
-def _index_of(buffers, buf):
-    """Position of `buf` among the call's distinct storages (len(buffers) if new)."""
-    for j, b in enumerate(buffers):
-        if b is buf:
-            return j
-    return len(buffers)
+class Buffers(list):
+    """The distinct storages a call reads, in the order of first use, with each one's position:
+    a foreach op over a model's parameters reads hundreds, and a linear search per tensor made
+    its key quadratic (a fifth of a restarted training step's first step).  A DeviceBuffer
+    hashes by identity."""
+    __slots__ = ("positions",)
+
+    def __init__(self):
+        super().__init__()
+        self.positions = {}
+
+    def position(self, buf):
+        """`buf`'s position, appending it if new."""
+        j = self.positions.get(buf)
+        if j is None:
+            j = self.positions[buf] = len(self)
+            self.append(buf)
+        return j
 
 
 class Dynamic:
