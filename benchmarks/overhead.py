@@ -4,10 +4,21 @@ eager vs the same ops as cached jax.jit calls written directly in JAX, and as on
 also the chain under torch.compile(backend="tpu") and mode="reduce-overhead" (one executable
 replayed), with the compilations and blocking waits of the host per steady run.
 
+It also measures the floor under fused recording, in a child process: the same chain with the
+tpu kernels of mul and add replaced by Python kernels that only return their input (PyTorch's
+dispatch from `x * s` to a Python kernel) or a new tpu tensor (dispatch plus creating the
+output tensor over a new storage, as every recorded op must), so the recording cost splits into
+what any Python kernel pays and what torchtpu's own recording adds.
+
     python benchmarks/overhead.py [--ops 2000] [--size 64]
 """
 import argparse
+import json
+import os
+import subprocess
+import sys
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -42,12 +53,50 @@ def timed(fn, repeats=3):
     return best
 
 
+def _floor(size, n):
+    """Seconds per op of the chain: torch CPU, then tpu with Python kernels that do only the
+    least a kernel can do (run in a process of its own: it replaces torchtpu's kernels)."""
+    from torchtpu._core import storage
+    x_cpu = torch.randn(size, size)
+    x = x_cpu.to("tpu")
+    nbytes = x.untyped_storage().nbytes()
+
+    def identity(a, b, **kwargs):
+        return a
+
+    def new_output(a, b, **kwargs):
+        return storage.wrap(None, a.shape, a.stride(), a.dtype, a.device.index, nbytes)
+
+    result = {"cpu": min(timed(lambda: chain_torch(x_cpu, n)) for _ in range(3)) / n}
+    libraries = []
+    for name, kernel in (("dispatch", identity), ("dispatch_and_output", new_output)):
+        lib = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+            for op in ("mul.Tensor", "add.Tensor"):
+                lib.impl(op, kernel, "PrivateUse1")
+        libraries.append(lib)
+        result[name] = min(timed(lambda: chain_torch(x, n)) for _ in range(3)) / n
+    return result
+
+
+def _floor_in_child(size, n):
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--floor-child",
+                          "--ops", str(n), "--size", str(size)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--ops", type=int, default=2000)
     p.add_argument("--size", type=int, default=64)
+    p.add_argument("--floor-child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     n = a.ops
+    if a.floor_child:
+        print(json.dumps(_floor(a.size, n)))
+        return
 
     x_cpu = torch.randn(a.size, a.size)
     x_tpu = x_cpu.to("tpu")
@@ -138,6 +187,13 @@ def main():
     print(f"  ratio tpu / jax.jit   : {t_tpu / t_jax:6.2f}x   (target <= 1.5x)")
     print(f"  ratio fused recording / torch CPU : {t_record / t_cpu:6.2f}x   (target <= 2x)")
     print(f"  ratio fused record+run / torch CPU: {t_fused / t_cpu:6.2f}x")
+    floor = _floor_in_child(a.size, n)
+    cpu, dispatch, output = (floor[k] * 1e6 for k in ("cpu", "dispatch", "dispatch_and_output"))
+    print(f"  fused recording, split (floor measured in a child process; torch CPU there {cpu:.2f} us/op):")
+    print(f"    PyTorch's dispatch to a Python kernel    : {dispatch:8.2f} us/op = {dispatch / cpu:5.2f}x torch CPU")
+    print(f"    creating the output tensor and storage   : {output - dispatch:8.2f} us/op")
+    print(f"    = floor of any Python kernel             : {output:8.2f} us/op = {output / cpu:5.2f}x torch CPU")
+    print(f"    torchtpu's own recording (key, trace)    : {t_record - output:8.2f} us/op")
     for label, t, name in (("graph replay      ", t_graph, "graph"),
                            ("compiled          ", t_compiled, "compiled"),
                            ("compiled 1-exe    ", t_onestep, "onestep")):
