@@ -137,6 +137,28 @@ def test_foreach_ops():
     torch.testing.assert_close(torch.stack(norms).cpu(), torch.stack(torch._foreach_norm(xs)))
 
 
+
+def test_foreach_over_many_tensors_sharing_storages():
+    # A foreach op over hundreds of tensors, many of them views of one storage and one of them
+    # listed twice: each storage is found among the call's (op_kernel.Buffers) in one lookup,
+    # and the shared ones must still resolve to the same input.
+    base, other_base = torch.randn(400), torch.randn(400)
+    xs = [torch.randn(3) for _ in range(300)] + list(base.view(100, 4).unbind(0))
+    others = [torch.randn(3) for _ in range(300)] + list(other_base.view(100, 4).unbind(0))
+    others[7] = others[5]
+    tbase, tother_base = base.to("tpu"), other_base.to("tpu")
+    ts = [x.to("tpu") for x in xs[:300]] + list(tbase.view(100, 4).unbind(0))
+    tothers = [o.to("tpu") for o in others[:300]] + list(tother_base.view(100, 4).unbind(0))
+    tothers[7] = tothers[5]
+    torch._foreach_add_(ts, tothers, alpha=0.5)
+    products = torch._foreach_mul(ts, tothers)
+    torch._foreach_add_(xs, others, alpha=0.5)
+    ref = torch._foreach_mul(xs, others)
+    for t, x in zip(ts + list(products), xs + list(ref)):
+        torch.testing.assert_close(t.cpu(), x)
+    torch.testing.assert_close(tbase.cpu(), base)
+
+
 def test_executables_are_cached():
     import torchtpu
     x = torch.randn(8, 8, device="tpu")
