@@ -370,6 +370,16 @@ def zeros(n, dtype, index):
                       "zeros", out_shardings=jax.sharding.SingleDeviceSharding(runtime.jax_device(index)))
 
 
+@functools.lru_cache(maxsize=32)
+def scalar(kind, index):
+    """The executable putting a Python number (`kind`: int or float) on a device as the weakly
+    typed 0-d array a jitted function makes of it (op_kernel._device_scalar).  jnp.asarray
+    compiles a conversion program per dtype in every process (50-80 ms of a restart, which
+    otherwise loads everything); this one is loaded from the store."""
+    return Executable(lambda v: v, stable(("scalar", kind.__name__, index)), "scalar",
+                      out_shardings=jax.sharding.SingleDeviceSharding(runtime.jax_device(index)))
+
+
 @functools.lru_cache(maxsize=64)
 def capacity(n):
     """The executable giving an array's elements, flat, in an array of n (composite._cat's

@@ -905,7 +905,7 @@ def _device_scalar(v, device):
         return v
     if len(_scalar_cache) > 4096:
         _scalar_cache.clear()
-    cached = _scalar_cache[key] = jax.device_put(jnp.asarray(v), runtime.jax_device(device))
+    cached = _scalar_cache[key] = executables.scalar(type(v), device)(v)
     return cached
 
 
