@@ -107,14 +107,15 @@ def test_random_fills_drawn_for_a_bucketed_size_give_the_same_values(name, args,
     itself (as strict eager did without buckets, and as fused mode does)."""
     from torchtpu._execution import op_kernel
 
-    def fill(t):
+    def fill(t, mode="strict"):
         torch.manual_seed(5)
-        with torch.tpu.set_eager_mode("strict"):
+        with torch.tpu.set_eager_mode(mode):
             getattr(t, name)(*args)
         return t.cpu()
 
     shapes = [(37,), (2, 3, 7)] + ([(70000,)] if dtype == torch.float32 and name == "normal_" else [])
     bucketed = [fill(torch.empty(s, dtype=dtype, device="tpu")) for s in shapes]
+    fused = [fill(torch.empty(s, dtype=dtype, device="tpu"), "fused") for s in shapes]
     # A view is filled in place, with the values of a fresh tensor of its size; nothing else
     # of its base changes.
     base = torch.zeros(4, 21, dtype=dtype, device="tpu")
@@ -124,6 +125,8 @@ def test_random_fills_drawn_for_a_bucketed_size_give_the_same_values(name, args,
     for s, b, e in zip(shapes, bucketed, exact):
         assert b.shape == s and b.dtype == dtype
         assert torch.equal(b, e), (name, s)
+    for s, f, e in zip(shapes, fused, exact):  # fused eager fills as strict eager does
+        assert torch.equal(f, e), (name, s)
     assert torch.equal(view, exact[1].reshape(2, 21))
     assert not base[0].cpu().any() and not base[3].cpu().any()
 
@@ -137,6 +140,41 @@ def test_a_loop_over_new_sizes_compiles_a_random_program_per_bucket_only():
         torch.tpu.synchronize()
         assert metrics.build_counts["aten.normal_.default"] - before <= 1
 
+
+def test_fused_eager_fills_compile_a_random_program_per_bucket_not_per_fill(monkeypatch):
+    # A model initialised on the device in fused eager: each fill ran as a threefry program
+    # inside the segment, ~0.5 s of XLA:CPU compile per fill.  Fills run as strict eager runs
+    # them (one program per bucket size, a copy recorded in the trace), with strict's values,
+    # also on a tensor the trace is still computing.
+    from torchtpu._core import metrics
+    from torchtpu._execution import fused as fused_module
+    recorded = []
+    record = fused_module.record
+
+    def noting(kernel, *args):
+        recorded.append(str(kernel.overload))
+        return record(kernel, *args)
+
+    monkeypatch.setattr(fused_module, "record", noting)
+
+    def init(mode):
+        torch.manual_seed(3)
+        with torch.tpu.set_eager_mode(mode):
+            params = [torch.empty(n, 3, device="tpu").normal_(0.0, 0.02) for n in range(11, 41)]
+            pending = params[0] * 2
+            pending.uniform_(-1.0, 1.0)
+            total = sum(p.sum() for p in params)
+        return [p.cpu() for p in params] + [pending.cpu(), total.cpu()]
+
+    strict = init("strict")
+    before = metrics.build_counts["aten.normal_.default"]
+    fused = init("fused")
+    assert metrics.build_counts["aten.normal_.default"] - before == 0  # strict's buckets serve
+    for a, b in zip(strict, fused):
+        assert torch.equal(a, b)
+    assert not fused[-2].eq(strict[0] * 2).all()  # the pending tensor was filled
+    assert "aten.copy_.default" in recorded and "aten.mul.Tensor" in recorded
+    assert not [name for name in recorded if "normal_" in name or "uniform_" in name]
 
 def test_memory_is_released_when_tensors_die():
     torch.tpu.synchronize()

@@ -168,21 +168,25 @@ class OpKernel:
                 raise
 
     def _bucketed_fill(self, args, kwargs):
-        """Strict eager's random fill of a contiguous tensor whose size is not a bucket size
-        (fill_bucket): fill a flat tensor of the bucketed size, then copy its first elements, which are
-        the very values the fill would give (Lowering.fill).  A random program takes ~0.5 s of
-        XLA:CPU compile (threefry), a copy ~30 ms: a loop over new sizes (PyTorch's
-        device-generic tests) or a model initialised on the device compiled one per shape.
-        None: the fill runs as it is."""
+        """A random fill as strict eager runs it: for a contiguous tensor whose size is not a
+        bucket size (fill_bucket), fill a flat tensor of the bucketed size, then copy its first
+        elements, which are the very values the fill would give (Lowering.fill).  A random
+        program takes ~0.5 s of XLA:CPU compile (threefry), a copy ~30 ms: a loop over new
+        sizes (PyTorch's device-generic tests) or a model initialised on the device compiled
+        one per shape.
+        Fused eager runs fills this way too, outside its trace: in a segment every fill is a
+        threefry program of its own to compile (100 parameters initialised on the device made
+        one segment of 85 s of XLA compile), while here each bucket size compiles once and the
+        segment only records the copy.  Their values are strict eager's.
+        None: the fill runs as it is (in a capture, or strict eager at a bucket size)."""
+        if fused.capturing():
+            return None
         t = args[0]
         n = t.numel()
-        if n == 0 or not _partitionable_draws() or modes.get_eager_mode() is _FUSED \
-                or fused.capturing() or not t.is_contiguous():
-            return None
-        size = fill_bucket(n)
-        if size == n:
-            return None
-        flat = torch.empty(size, dtype=t.dtype, device=t.device)
+        in_trace = modes.get_eager_mode() is _FUSED
+        if n == 0 or not _partitionable_draws() or not t.is_contiguous() or fill_bucket(n) == n:
+            return self._call(args, kwargs, mode=_STRICT) if in_trace else None
+        flat = torch.empty(fill_bucket(n), dtype=t.dtype, device=t.device)
         self(flat, *args[1:], **kwargs)  # draws with the key this call would have used
         t.copy_(flat[:n].view(t.shape))
         return t
