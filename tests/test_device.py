@@ -141,6 +141,22 @@ def test_a_loop_over_new_sizes_compiles_a_random_program_per_bucket_only():
         assert metrics.build_counts["aten.normal_.default"] - before <= 1
 
 
+def test_a_fill_s_parameters_are_arguments_not_part_of_its_key():
+    # nn.init's bounds differ with each fan-in: keyed by value, each was a threefry program.
+    from torchtpu._core import metrics
+    x = torch.empty(64, device="tpu")
+    with torch.tpu.set_eager_mode("strict"):
+        before = {name: metrics.build_counts[f"aten.{name}.default"] for name in ("uniform_", "normal_")}
+        for k in range(1, 8):
+            bound = 1.0 / k
+            u = x.uniform_(-bound, bound).cpu()
+            assert u.abs().max() <= bound and u.min() < 0 < u.max()
+            n = x.normal_(10.0 * k, 1e-3).cpu()
+            assert (n - 10.0 * k).abs().max() < 0.01
+        torch.tpu.synchronize()
+        for name, count in before.items():
+            assert metrics.build_counts[f"aten.{name}.default"] - count <= 1, name
+
 def test_fused_eager_fills_compile_a_random_program_per_bucket_not_per_fill(monkeypatch):
     # A model initialised on the device in fused eager: each fill ran as a threefry program
     # inside the segment, ~0.5 s of XLA:CPU compile per fill.  Fills run as strict eager runs
