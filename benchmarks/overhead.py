@@ -68,7 +68,7 @@ def _floor(size, n):
         return storage.wrap(None, a.shape, a.stride(), a.dtype, a.device.index, nbytes)
 
     result = {"cpu": min(timed(lambda: chain_torch(x_cpu, n)) for _ in range(3)) / n}
-    libraries = []
+    libraries = []  # kept: a Library's registrations end when it is freed
     for name, kernel in (("dispatch", identity), ("dispatch_and_output", new_output)):
         lib = torch.library.Library("aten", "IMPL")
         with warnings.catch_warnings():

@@ -157,6 +157,7 @@ def test_a_fill_s_parameters_are_arguments_not_part_of_its_key():
         for name, count in before.items():
             assert metrics.build_counts[f"aten.{name}.default"] - count <= 1, name
 
+
 def test_fused_eager_fills_compile_a_random_program_per_bucket_not_per_fill(monkeypatch):
     # A model initialised on the device in fused eager: each fill ran as a threefry program
     # inside the segment, ~0.5 s of XLA:CPU compile per fill.  Fills run as strict eager runs
@@ -191,6 +192,7 @@ def test_fused_eager_fills_compile_a_random_program_per_bucket_not_per_fill(monk
     assert not fused[-2].eq(strict[0] * 2).all()  # the pending tensor was filled
     assert "aten.copy_.default" in recorded and "aten.mul.Tensor" in recorded
     assert not [name for name in recorded if "normal_" in name or "uniform_" in name]
+
 
 def test_memory_is_released_when_tensors_die():
     torch.tpu.synchronize()

@@ -137,7 +137,6 @@ def test_foreach_ops():
     torch.testing.assert_close(torch.stack(norms).cpu(), torch.stack(torch._foreach_norm(xs)))
 
 
-
 def test_foreach_over_many_tensors_sharing_storages():
     # A foreach op over hundreds of tensors, many of them views of one storage and one of them
     # listed twice: each storage is found among the call's (op_kernel.Buffers) in one lookup,
