@@ -834,15 +834,15 @@ class Buffers(list):
     DeviceBuffer hashes by identity."""
     __slots__ = ("positions",)
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self):  # (an empty list needs no list.__init__: ~0.3 us on every op)
         self.positions = {}
 
     def position(self, buf):
         """`buf`'s position, appending it if new."""
-        j = self.positions.get(buf)
+        positions = self.positions
+        j = positions.get(buf)
         if j is None:
-            j = self.positions[buf] = len(self)
+            j = positions[buf] = len(self)
             self.append(buf)
         return j
 
