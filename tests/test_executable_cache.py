@@ -153,7 +153,11 @@ def test_an_unusable_directory_turns_the_cache_off_with_a_warning(tmp_path):
 def test_two_processes_at_once_share_the_directory(tmp_path):
     procs = [_start(tmp_path, "fused", f"cold{i}") for i in range(2)]
     results = [_finish(p) for p in procs]
-    assert all(r["compiled"] > 0 and r["rejected"] == 0 for r in results)
+    # Each gets every program without a rejected entry.  Usually both compile at once; one that
+    # starts late (a loaded machine) loads what the other wrote, which is sharing too (a clean-
+    # clone CI run saw one process compile nothing).
+    assert all(r["rejected"] == 0 and r["compiled"] + r["loaded"] > 0 for r in results), results
+    assert sum(r["compiled"] for r in results) > 0, results  # the directory started empty
     warm = _step(tmp_path, "fused", "warm")
     assert warm["compiled"] == 0 and warm["rejected"] == 0
     assert _bits(tmp_path, "cold0") == _bits(tmp_path, "cold1") == _bits(tmp_path, "warm")
