@@ -67,7 +67,9 @@ class Lowering:
     # the Python numbers and the i-th draw in row-major order (uniform_, normal_, ...).  JAX's
     # partitionable threefry draws element i from counter i, so a fill of n elements equals the
     # first n of a fill of more: strict eager draws for a few bucketed sizes and copies
-    # (op_kernel.OpKernel._bucketed_fill).
+    # (op_kernel.OpKernel._bucketed_fill).  A fill's `float` parameters (bounds, mean and std,
+    # p) are traced: nn.init's bounds differ with each fan-in, and as constants every value was
+    # a threefry program of its own (~0.5 s of XLA:CPU compile).
     fill: bool = False
     # The program depends on torch.get_float32_matmul_precision() (matmuls, convolutions).
     precision: bool = False

@@ -129,7 +129,10 @@ class OpKernel:
         self.overload = overload
         self.low = low
         schema = overload._schema
-        self.args = _classify(schema, low.static, low.traced)
+        traced = low.traced
+        if low.fill:  # (see Lowering.fill)
+            traced += tuple(a.name for a in schema.arguments if str(a.type) == "float")
+        self.args = _classify(schema, low.static, traced)
         self.params = registry.parameters(overload)
         self.functional_args = [i for i, a in enumerate(self.args) if not a.is_out]
         self.writes = [i for i, a in enumerate(self.args) if a.is_write]
@@ -184,9 +187,10 @@ class OpKernel:
         t = args[0]
         n = t.numel()
         in_trace = modes.get_eager_mode() is _FUSED
-        if n == 0 or not _partitionable_draws() or not t.is_contiguous() or fill_bucket(n) == n:
+        size = fill_bucket(n)
+        if n == 0 or not _partitionable_draws() or not t.is_contiguous() or size == n:
             return self._call(args, kwargs, mode=_STRICT) if in_trace else None
-        flat = torch.empty(fill_bucket(n), dtype=t.dtype, device=t.device)
+        flat = torch.empty(size, dtype=t.dtype, device=t.device)
         self(flat, *args[1:], **kwargs)  # draws with the key this call would have used
         t.copy_(flat[:n].view(t.shape))
         return t

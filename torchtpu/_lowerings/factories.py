@@ -74,23 +74,17 @@ def _floating(x):
     return x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else jnp.float32
 
 
-# The parameters of the fills (bounds, mean and std, p, ...) are traced arguments: were they
-# part of the key, every distinct value would be a threefry program of its own (~0.5 s of XLA:CPU
-# compile), and nn.init's bounds differ with each fan-in (40 Linear layers of distinct widths
-# compiled 80 of them when initialised on the device).
-
-
 def _check_uniform(x, low=0.0, high=1.0, generator=None):
     if low > high:
         raise RuntimeError(f"uniform_ expects to return a [from, to) range, but found from={low:g} > to={high:g}")
 
 
-@lowering("aten::uniform_.default", random=True, fill=True, validate=_check_uniform, traced=("from", "to"))
+@lowering("aten::uniform_.default", random=True, fill=True, validate=_check_uniform)
 def uniform_(key, x, low=0.0, high=1.0, generator=None):
     return jax.random.uniform(key, x.shape, jnp.float32, low, high).astype(x.dtype)
 
 
-@lowering("aten::normal_.default", random=True, fill=True, traced=("mean", "std"))
+@lowering("aten::normal_.default", random=True, fill=True)
 def normal_(key, x, mean=0.0, std=1.0, generator=None):
     return (jax.random.normal(key, x.shape, jnp.float32) * std + mean).astype(x.dtype)
 
@@ -128,7 +122,7 @@ def _check_p_values(p):
           RuntimeError)
 
 
-@lowering("aten::bernoulli_.float", random=True, fill=True, validate=_check_p, traced=("p",))
+@lowering("aten::bernoulli_.float", random=True, fill=True, validate=_check_p)
 def bernoulli_float(key, x, p=0.5, generator=None):
     return jax.random.bernoulli(key, p, x.shape).astype(x.dtype)
 
@@ -160,7 +154,7 @@ def native_dropout_backward(grad, mask, scale):
     return grad * mask * scale
 
 
-@lowering("aten::exponential_.default", random=True, fill=True, traced=("lambd",))
+@lowering("aten::exponential_.default", random=True, fill=True)
 def exponential_(key, x, lambd=1.0, generator=None):
     return (jax.random.exponential(key, x.shape, jnp.float32) / lambd).astype(x.dtype)
 
@@ -211,17 +205,17 @@ def normal_float_tensor(key, mean, std, generator=None):
     return jax.random.normal(key, std.shape, jnp.float32) * std + mean
 
 
-@lowering("aten::cauchy_.default", random=True, fill=True, traced=("median", "sigma"))
+@lowering("aten::cauchy_.default", random=True, fill=True)
 def cauchy_(key, x, median=0.0, sigma=1.0, generator=None):
     return (jax.random.cauchy(key, x.shape, jnp.float32) * sigma + median).astype(x.dtype)
 
 
-@lowering("aten::log_normal_.default", random=True, fill=True, traced=("mean", "std"))
+@lowering("aten::log_normal_.default", random=True, fill=True)
 def log_normal_(key, x, mean=1.0, std=2.0, generator=None):
     return jnp.exp(jax.random.normal(key, x.shape, jnp.float32) * std + mean).astype(x.dtype)
 
 
-@lowering("aten::geometric_.default", random=True, fill=True, traced=("p",))
+@lowering("aten::geometric_.default", random=True, fill=True)
 def geometric_(key, x, p, generator=None):
     # The number of Bernoulli(p) trials up to the first success: ceil(log(U) / log(1 - p)).
     u = jax.random.uniform(key, x.shape, jnp.float32, jnp.finfo(jnp.float32).tiny, 1.0)
