@@ -4,6 +4,8 @@ and how much decoding over new lengths costs.
     python benchmarks/warmup.py [--quick] [--modes strict,fused,compile] [--workers 0,1,2]
                                 [--repeat 2] [--no-decode] [--decode-modes strict,fused]
 
+(`--modes ""` skips the training steps: decoding only.)
+
 Time to a steady step: the first 3 training steps (forward, backward, AdamW) of the GPT of
 train_step.py, in a fresh process, for each mode against the same step written in JAX under
 one `jax.jit`.  "cold": a new, empty TORCHTPU_CACHE_DIR; "restart": a second process finding
@@ -122,7 +124,9 @@ def _child_decode(what, quick):
     cpu_tokens = generate(model, ids, new)
     tpu = model.to("tpu")
     x = ids.to("tpu")
-    generate(tpu, x, 2).cpu()  # prefill and the first decode steps compiled
+    # The prefill and two decode steps: the first decode step reads the prompt's positions
+    # (a [1, 8] storage), later ones the step's own, so a steady step appears at the second.
+    generate(tpu, x, 3).cpu()
     before = torchtpu.metrics()
     t0 = time.perf_counter()
     tokens = generate(tpu, x, new).cpu()
@@ -168,7 +172,14 @@ def main():
         return
 
     quick = ["--quick"] if a.quick else []
-    modes = a.modes.split(",")
+    modes = [m for m in a.modes.split(",") if m]
+    if modes:
+        _train(modes, a, quick)
+    if not a.no_decode:
+        _decode(a, quick)
+
+
+def _train(modes, a, quick):
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ["jax", *modes]:
@@ -222,8 +233,9 @@ def main():
                 print(f"  speed-up of 2 workers over {base}: {min(ratios):.2f}-{max(ratios):.2f}x "
                       f"(per round)")
 
-    if a.no_decode:
-        return
+
+
+def _decode(a, quick):
     print("\nDecoding (greedy generate(), small random-weight Llama): "
           "lengths not seen before vs the same call warm")
     for mode in a.decode_modes.split(","):

@@ -275,9 +275,11 @@ def test_ops_on_views_at_many_offsets_read_and_write_the_right_elements():
     assert_same(d, x)
 
 
-def test_a_sequence_growing_by_appends_matches_the_cpu():
-    # Appends onto an appended result write into a storage with room to spare (composite
-    # _cat): values, strides, storage sizes, aliasing and gradients stay the CPU's.
+def test_a_sequence_growing_by_appends_matches_the_cpu(monkeypatch):
+    # Appends onto an appended result write into a storage with room to spare (growing.py):
+    # values, strides, storage sizes, aliasing and gradients stay the CPU's.
+    from torchtpu._execution import growing
+    monkeypatch.setattr(growing, "_MIN_FLAT", 64)
     x = torch.arange(6).view(1, 6)
     d = x.to("tpu")
     kept = []
@@ -314,12 +316,109 @@ def test_a_sequence_growing_by_appends_matches_the_cpu():
     assert_same(vt.grad, v.grad, rtol=1e-5, atol=1e-5)
 
 
+def _counting(monkeypatch, module, name):
+    """Counts the calls of module.name that return something."""
+    calls, fn = [], getattr(module, name)
+
+    def counted(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        calls.extend([out] if out is not None else [])
+        return out
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_appends_along_an_inner_dim_match_the_cpu(monkeypatch):
+    # A dynamic KV cache: cat([past, new], dim=-2) from PyTorch's skipped empty 1-D tensor on.
+    # Without a gradient the results have room to spare (growing.py): values, strides, storage
+    # sizes and earlier results stay the CPU's, past the first capacity (64 positions).
+    from torchtpu._core import metrics
+    from torchtpu._execution import growing
+    grown = _counting(monkeypatch, growing, "_inner_append")
+    x = torch.tensor([])
+    d = x.to("tpu")
+    first = torch.randn(2, 3, 5, 4)
+    x, d = torch.cat([x, first], dim=-2), torch.cat([d, first.to("tpu")], dim=-2)
+    kept = []
+    for step in range(70):
+        new = torch.randn(2, 1, 3, 4).transpose(1, 2) if step % 3 else torch.randn(2, 3, 1, 4)
+        x, d = torch.cat([x, new], dim=-2), torch.cat([d, new.to("tpu")], dim=-2)
+        assert d.untyped_storage().nbytes() == x.untyped_storage().nbytes()
+        if step == 2:
+            before = metrics.build_counts.get("inner_append", 0)
+        if step % 9 == 0:
+            assert_same(d, x)
+            kept.append((d, x.clone()))
+    # past the first capacity: one program growing it, one for the appends at the new one,
+    # whether the new rows are a transposed view or not
+    assert metrics.build_counts.get("inner_append", 0) - before <= 2
+    for got, want in kept:
+        assert_same(got, want)
+    d[1, 2, 3, 0] = -1  # writing into the result leaves what it was appended from alone
+    assert_same(kept[-1][0], kept[-1][1])
+    x[1, 2, 3, 0] = -1
+    assert_same(d, x)
+    assert len(grown) == 71
+    # with a gradient to record, a plain cat: values and gradients stay the CPU's
+    w = torch.randn(2, 3, 4, requires_grad=True)
+    wt = w.detach().to("tpu").requires_grad_()
+    a, at = w * 1, wt * 1
+    for _ in range(3):
+        a, at = torch.cat([a, a[:, -1:] * 2], 1), torch.cat([at, at[:, -1:] * 2], 1)
+    assert_same(at, a)
+    a.sum().backward()
+    at.sum().backward()
+    assert_same(wt.grad, w.grad)
+    assert len(grown) == 71
+
+
+@pytest.mark.parametrize("heads, q_len, causal, dims, dtype", [
+    (4, 1, False, 4, torch.float32), (2, 3, True, 4, torch.float32),
+    (2, 2, False, 3, torch.float32), (4, 1, False, 4, torch.bfloat16)])
+def test_attention_over_grown_keys_matches_the_cpu(heads, q_len, causal, dims, dtype, monkeypatch):
+    # F.scaled_dot_product_attention over keys and values grown by appends reads them at
+    # their capacity, masked past their length (growing.attention): a new length is no new
+    # program.  Grouped-query (4 query heads over 2), a causal query of several positions, and
+    # 3-d inputs against the CPU's attention, in float32 and bfloat16.
+    import torch.nn.functional as F
+    from torchtpu._core import metrics
+    from torchtpu._execution import growing
+    grown = _counting(monkeypatch, growing, "attention")
+    lead = (2,) if dims == 4 else ()
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    k, v = torch.randn(*lead, 2, 6, 8, dtype=dtype), torch.randn(*lead, 2, 6, 5, dtype=dtype)
+    empty = torch.tensor([], dtype=dtype).to("tpu")
+    kt, vt = torch.cat([empty, k.to("tpu")], -2), torch.cat([empty, v.to("tpu")], -2)
+    with torch.no_grad():
+        for step in range(12):
+            q = torch.randn(*lead, heads, q_len, 8, dtype=dtype)
+            gqa = heads != 2
+            want = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+            got = F.scaled_dot_product_attention(q.to("tpu"), kt, vt, is_causal=causal, enable_gqa=gqa)
+            assert_same(got, want, **tol)
+            if step == 1:
+                before = sum(metrics.build_counts.values())
+            new_k = torch.randn(*lead, 2, 1, 8, dtype=dtype)
+            new_v = torch.randn(*lead, 2, 1, 5, dtype=dtype)
+            k, v = torch.cat([k, new_k], -2), torch.cat([v, new_v], -2)
+            kt, vt = torch.cat([kt, new_k.to("tpu")], -2), torch.cat([vt, new_v.to("tpu")], -2)
+    assert len(grown) == 12
+    assert sum(metrics.build_counts.values()) == before  # lengths 8 to 17: nothing new
+    # with a gradient to record, PyTorch's attention op and its formula
+    q = torch.randn(*lead, heads, q_len, 8, dtype=dtype, requires_grad=True)
+    qt = q.detach().to("tpu").requires_grad_()
+    F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=heads != 2).sum().backward()
+    F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=heads != 2).sum().backward()
+    assert_same(qt.grad, q.grad, **(tol if dtype != torch.float32 else dict(rtol=1e-4, atol=1e-5)))
+    assert len(grown) == 12
+
+
 def test_appends_of_the_last_token_reuse_their_executables():
     # A decode loop: append the next token, read it on the host (which runs fused eager's
     # trace, so each append starts from a written sequence, as generate()'s do).
     from torchtpu._core import metrics
     d = torch.arange(8).view(1, 8).to("tpu")
-    for step in range(4):  # warm-up: the first appends and the first capacity (64)
+    for step in range(4):  # warm-up: the first appends and the first capacity
         d = torch.cat([d, d[:, -1:] + 1], dim=-1)
         assert d[0, -1].item() == 8 + step
     before = sum(metrics.build_counts.values())

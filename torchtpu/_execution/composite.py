@@ -1,20 +1,17 @@
 """Dispatcher kernels composed of table kernels and tpu ops, for ops whose PyTorch contract the
 lowering table's pure functions cannot express: in-place running statistics, PyTorch's choice
 of factoring a transpose, an output filled in place *and* returned."""
-import math
 import warnings
-import weakref
 
 import torch
 import torch.nn.functional as F
 
-from .._core import storage
-from .._core.dtypes import to_jax_dtype, to_torch_dtype
+from .._core.dtypes import to_torch_dtype
 from .._lowerings.batch_norm import _stats_dtype
 from .._lowerings.factories import _check_arange
-from . import executables, fused, modes
-from .kernels import kernel_for
+from . import growing
 from .transfer import replace_value
+from .kernels import kernel_for
 
 aten = torch.ops.aten
 
@@ -152,69 +149,6 @@ def _where_out(condition, x, y, *, out):
     return kernel_for(aten.where.self_out)(_bool_condition(condition), x, y, out=out)
 
 
-# --- cat: a sequence growing by appends --------------------------------------------------------
-
-# Decoding appends a token to `input_ids` ([1, L] -> [1, L + 1]) at every step.  As a plain cat
-# each step is a new executable, as is each op reading the last token (its storage's array has
-# another shape).  A flat append onto the result of an earlier one instead gives the result
-# a storage whose array has room to spare (a power-of-two capacity) and writes only the new
-# elements, at a dynamic offset: the arrays keep their shape until the capacity is used up, so
-# the whole decode loop reuses a few executables.  Elements past a storage's size are never
-# read.  Only appends onto an appended result grow this way: a cat of fresh tensors (a model's
-# cat, every step the same shapes) stays one op.
-_appended = weakref.WeakSet()  # the buffers that flat appends made
-_MIN_CAPACITY = 64
-
-
-def _flat_append(tensors, dim):
-    """(a, b, dim) when `cat(tensors, dim)` appends b's elements after a's in memory."""
-    if len(tensors) != 2 or fused.capturing():
-        return None
-    a, b = tensors
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-            and a.device == b.device and a.device.type == "tpu" and a.dim() == b.dim() >= 1):
-        return None
-    d = dim % a.dim() if -a.dim() <= dim < a.dim() else None
-    if d is None or math.prod(a.shape[:d]) != 1 or a.shape[:d] + a.shape[d + 1:] != b.shape[:d] + b.shape[d + 1:]:
-        return None
-    if a.numel() == 0 or b.numel() == 0 or a.storage_offset() != 0 or not a.is_contiguous():
-        return None
-    return a, b, d
-
-
-def _cat(tensors, dim=0):
-    append = _flat_append(tensors, dim)
-    if append is not None and storage.buffer_of(append[0]) in _appended:
-        grown = _append(*append)
-        if grown is not None:
-            _appended.add(storage.buffer_of(grown))
-            return grown
-    out = kernel_for(aten.cat.default)(tensors, dim)
-    if append is not None:
-        _appended.add(storage.buffer_of(out))
-    return out
-
-
-def _append(a, b, d):
-    buf = storage.buffer_of(a)
-    array = buf._array
-    if type(array) is not storage.Array:
-        if array is None or modes.get_eager_mode() is modes.EagerMode.DEFER_AND_FUSE:
-            return None  # never written, or recorded: a plain cat (it does not flush)
-        array = buf.value()  # an op of strict eager still compiling: wait for it
-    if array.dtype != to_jax_dtype(a.dtype):
-        return None  # bytes of another type (a view of other elements): a plain cat
-    n = a.numel() + b.numel()
-    if array.ndim != 1 or array.size < n:
-        array = executables.capacity(max(_MIN_CAPACITY, 1 << (n - 1).bit_length()))(array)
-    shape = list(a.shape)
-    shape[d] += b.shape[d]
-    out = storage.wrap(array, shape, storage.contiguous_strides(shape), a.dtype, buf.index,
-                       n * a.element_size())
-    out.view(-1)[a.numel():].view(b.shape).copy_(b)
-    return out
-
-
 # --- scaled dot-product attention ------------------------------------------------------------
 
 # PyTorch picks an attention kernel per device through a C++ dispatch stub that a Python backend
@@ -253,6 +187,12 @@ def _fused_attention_covers(q, k, v, mask, dropout_p, enable_gqa):
 def _scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *,
                                   scale=None, enable_gqa=False):
     if _fused_attention_covers(q, k, v, attn_mask, dropout_p, enable_gqa):
+        grown = growing.attention(q, k, v, attn_mask, is_causal, scale)
+        if grown is not None:
+            return grown
+        if q.dim() == 3:  # (the fused op's meta kernel takes 4-d inputs only)
+            return aten._scaled_dot_product_fused_attention_overrideable(
+                q[None], k[None], v[None], attn_mask, dropout_p, is_causal, scale=scale)[0][0]
         return aten._scaled_dot_product_fused_attention_overrideable(
             q, k, v, attn_mask, dropout_p, is_causal, scale=scale)[0]
     return aten.scaled_dot_product_attention.default.decompose(
@@ -279,6 +219,5 @@ def kernels():
             aten.arange.start_out: _arange_out,
             aten.zero_.default: _zero_,
             aten.huber_loss.default: _huber_loss,
-            aten.cat.default: _cat,
             aten.where.self: _where,
             aten.where.self_out: _where_out}

@@ -8,9 +8,9 @@ a special kernel never does, though the table may hold it (`copy_`, the in-place
 before the table's `index`).
 """
 from .._core import storage
-from . import composite, executables, kernels, masks, transfer, views
+from . import composite, executables, growing, kernels, masks, transfer, views
 
-SPECIAL_MODULES = (views, transfer, masks, composite)
+SPECIAL_MODULES = (views, transfer, masks, growing, composite)
 
 
 def special_kernels():

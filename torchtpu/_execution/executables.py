@@ -382,7 +382,7 @@ def scalar(kind, index):
 
 @functools.lru_cache(maxsize=64)
 def capacity(n):
-    """The executable giving an array's elements, flat, in an array of n (composite._cat's
+    """The executable giving an array's elements, flat, in an array of n (growing.py's
     growing sequences); the elements past the array's are never read."""
     import jax.numpy as jnp
     return Executable(lambda a: jnp.pad(a.reshape(-1), (0, n - a.size)),

@@ -62,8 +62,6 @@ def sdpa(q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_m
          scale=None):
     # Dropout never reaches this op (the dispatcher kernel takes the math path for it).
     out, lse = _attention(q, k, v, attn_bias, is_causal, scale)
-    if q.ndim == 3:  # the meta kernel's logsumexp is (1, H, L) for a 3-d query
-        lse = lse[None]
     zero = jnp.zeros((), jnp.int64)
     # output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k (numbers), philox seed and offset,
     # debug mask
