@@ -180,6 +180,7 @@ def test_fused_eager_fills_compile_a_random_program_per_bucket_not_per_fill(monk
             params = [torch.empty(n, 3, device="tpu").normal_(0.0, 0.02) for n in range(11, 41)]
             pending = params[0] * 2
             pending.uniform_(-1.0, 1.0)
+            params[1][2:5].normal_(0.0, 0.02)  # a view: its storage keeps the other elements
             total = sum(p.sum() for p in params)
         return [p.cpu() for p in params] + [pending.cpu(), total.cpu()]
 
@@ -190,8 +191,39 @@ def test_fused_eager_fills_compile_a_random_program_per_bucket_not_per_fill(monk
     for a, b in zip(strict, fused):
         assert torch.equal(a, b)
     assert not fused[-2].eq(strict[0] * 2).all()  # the pending tensor was filled
-    assert "aten.copy_.default" in recorded and "aten.mul.Tensor" in recorded
+    # only the view's fill copies: the others take the drawn array as their storage's
+    assert recorded.count("aten.copy_.default") == 1 and "aten.mul.Tensor" in recorded
     assert not [name for name in recorded if "normal_" in name or "uniform_" in name]
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_fills_of_new_sizes_compile_nothing_once_their_bucket_is_drawn(mode):
+    # A loop over new sizes (PyTorch's device-generic tests): a fresh tensor's fill keeps the
+    # drawn bucket as its storage's array (no copy per size) and reading it on the host
+    # slices on the host (no slicing program per size).  Its values are the first elements
+    # of a fill of the bucket's size.
+    from torchtpu._core import metrics
+    from torchtpu._execution import transfer
+    with torch.tpu.set_eager_mode(mode):
+        torch.manual_seed(5)
+        bucket = torch.randn(64, device="tpu").cpu()
+        torch.empty(64, dtype=torch.float64, device="tpu").uniform_(-1, 1).cpu()
+        before, readers = sum(metrics.build_counts.values()), transfer._reader.cache_info().misses
+        for n in range(33, 64, 3):
+            torch.manual_seed(5)
+            x = torch.randn(n, device="tpu")
+            y = torch.empty(n, dtype=torch.float64, device="tpu").uniform_(-1, 1)
+            assert x.untyped_storage().nbytes() == 4 * n
+            assert torch.equal(x.cpu(), bucket[:n])
+            assert y.cpu().shape == (n,) and y.cpu().abs().max() <= 1
+        assert sum(metrics.build_counts.values()) == before
+        assert transfer._reader.cache_info().misses == readers
+        # the spare elements are never read: ops on the tensor see its n elements
+        x = torch.randn(40, device="tpu")
+        host = x.cpu()
+        torch.testing.assert_close((x * 2 + x.sum()).cpu(), host * 2 + host.sum())
+        x.add_(1)
+        assert torch.equal(x.cpu(), host + 1)
 
 
 def test_memory_is_released_when_tensors_die():

@@ -9,8 +9,7 @@ import torch.nn.functional as F
 from .._core.dtypes import to_torch_dtype
 from .._lowerings.batch_norm import _stats_dtype
 from .._lowerings.factories import _check_arange
-from . import growing
-from .transfer import replace_value
+from . import fused, growing
 from .kernels import kernel_for
 
 aten = torch.ops.aten
@@ -111,9 +110,9 @@ def _arange_out(start, end, step=1, *, out):
 # --- zero_ -------------------------------------------------------------------------------
 
 # Optimizers create their state with zeros_like (empty_like, then zero_) on their first step:
-# zeroing a whole storage forgets its value instead of running an op (transfer.replace_value).
+# zeroing a whole storage forgets its value instead of running an op (fused.replace_value).
 def _zero_(t):
-    if replace_value(t, None):
+    if fused.replace_value(t, None):
         return t
     return kernel_for(aten.zero_.default)(t)
 

@@ -192,6 +192,23 @@ def capturing():
     return _trace is not None and _trace.captured
 
 
+def replace_value(t, array):
+    """Give a tensor that covers its whole storage the value `array` (None: zeros, as a fresh
+    storage reads; it may hold more elements than the storage, which are never read) without
+    running an op; whether it could.  Placing a model on the device or
+    creating optimizer state then adds no ops to a fused trace, so the first training step's
+    segments equal the later steps' instead of compiling twice.  Not while ops are captured:
+    a replay must write the value again."""
+    buf = storage.buffer_of(t)
+    if not (t.storage_offset() == 0 and t.is_contiguous() and t.numel() * t.itemsize == buf.nbytes
+            and (array is None or array.dtype == buf.dtype) and not capturing()):
+        return False
+    with _lock:  # not while a flush is storing its results
+        buf._array = array
+        buf.from_bytes = False
+    return True
+
+
 def capture(fn, device):
     """Record the ops `fn()` runs into a fresh trace that the caller takes over (it is not
     run here); returns (trace, fn's result)."""

@@ -172,11 +172,13 @@ class OpKernel:
 
     def _bucketed_fill(self, args, kwargs):
         """A random fill as strict eager runs it: for a contiguous tensor whose size is not a
-        bucket size (fill_bucket), fill a flat tensor of the bucketed size, then copy its first
-        elements, which are the very values the fill would give (Lowering.fill).  A random
-        program takes ~0.5 s of XLA:CPU compile (threefry), a copy ~30 ms: a loop over new
-        sizes (PyTorch's device-generic tests) or a model initialised on the device compiled
-        one per shape.
+        bucket size (fill_bucket), fill a flat tensor of the bucketed size, whose first
+        elements are the very values the fill would give (Lowering.fill).  A tensor covering
+        its storage takes that array as its storage's (up to 1/8 more elements, never read;
+        a fresh `torch.empty(n).uniform_()`, `randn(n)`, a layer's initialisation); any other
+        gets the first elements copied.  A random program takes ~0.5 s of XLA:CPU compile
+        (threefry), a copy ~30 ms: a loop over new sizes (PyTorch's device-generic tests) or
+        a model initialised on the device compiled one per shape.
         Fused eager runs fills this way too, outside its trace: in a segment every fill is a
         threefry program of its own to compile (200 randn of one shape made a segment of 85 s
         of XLA compile), while here each bucket size compiles once and the segment only records
@@ -192,7 +194,8 @@ class OpKernel:
             return self._call(args, kwargs, mode=_STRICT) if in_trace else None
         flat = torch.empty(size, dtype=t.dtype, device=t.device)
         self(flat, *args[1:], **kwargs)  # draws with the key this call would have used
-        t.copy_(flat[:n].view(t.shape))
+        if not fused.replace_value(t, storage.buffer_of(flat).value()):
+            t.copy_(flat[:n].view(t.shape))
         return t
 
     def _call(self, args, kwargs, mode=None):

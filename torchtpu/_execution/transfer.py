@@ -44,11 +44,30 @@ def to_host(t):
     metrics.counters["device_to_host"] += 1
     metrics.counters["device_to_host_bytes"] += t.numel() * t.element_size()
     sync.wait()
+    flat = _contiguous_run(t)
+    if flat is not None:
+        n, offset = t.numel(), t.storage_offset()
+        a = np.array(jax.device_get(flat)[offset:offset + n])
+        return numpy_to_tensor(a, t.dtype).reshape(t.shape)
     value = value_of(t)
     if value.ndim > _NUMPY_MAX_DIMS:
         value = value.reshape(-1)
     a = np.array(jax.device_get(value))  # writable: torch.from_numpy shares it
     return numpy_to_tensor(np.ascontiguousarray(a), t.dtype).reshape(t.shape)
+
+
+def _contiguous_run(t):
+    """The flat array of t's storage when t is a contiguous run of it that a host-side slice
+    reads for at most twice t's bytes (a tensor with room to spare: a random fill's bucket,
+    a growing sequence), or None.  Reading it on the device would compile a slicing program
+    per size: a loop over new sizes would build one per `.cpu()`."""
+    arr = storage.buffer_of(t).value()
+    if arr.ndim != 1 or arr.dtype != to_jax_dtype(t.dtype) or not t.is_contiguous():
+        return None
+    n = t.numel()
+    if n == arr.size or arr.size > 2 * n:
+        return None
+    return arr
 
 
 def from_host(cpu, index):
@@ -75,7 +94,7 @@ def _copy_(self, src, non_blocking=False):
     if src.device.type != "tpu":  # host -> device
         src = from_host(src, self.device.index)
         if src.dtype == self.dtype and src.shape == self.shape and \
-                replace_value(self, storage.buffer_of(src).value()):
+                fused.replace_value(self, storage.buffer_of(src).value()):
             return self
     elif src.untyped_storage()._tpu is self.untyped_storage()._tpu:
         _check_no_partial_overlap(self, src)
@@ -84,22 +103,6 @@ def _copy_(self, src, non_blocking=False):
         src = storage.wrap(moved, tuple(src.shape), storage.contiguous_strides(src.shape),
                            src.dtype, self.device.index)
     return kernel_for(aten.copy_.default)(self, src, non_blocking)
-
-
-def replace_value(t, array):
-    """Give a tensor that covers its whole storage the value `array` (None: zeros, as a fresh
-    storage reads) without running an op; whether it could.  Placing a model on the device or
-    creating optimizer state then adds no ops to a fused trace, so the first training step's
-    segments equal the later steps' instead of compiling twice.  Not while ops are captured:
-    a replay must write the value again."""
-    buf = storage.buffer_of(t)
-    if not (t.storage_offset() == 0 and t.is_contiguous() and t.numel() * t.itemsize == buf.nbytes
-            and (array is None or array.dtype == buf.dtype) and not fused.capturing()):
-        return False
-    with fused._lock:  # not while a flush is storing its results
-        buf._array = array
-        buf.from_bytes = False
-    return True
 
 
 def _check_no_partial_overlap(dst, src):
