@@ -189,7 +189,8 @@ def _scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_cau
         grown = growing.attention(q, k, v, attn_mask, is_causal, scale)
         if grown is not None:
             return grown
-        if q.dim() == 3:  # (the fused op's meta kernel takes 4-d inputs only)
+        if q.dim() == 3:  # (the fused op's meta kernel fails on a 3-d query when the values'
+            # width is not the keys')
             return aten._scaled_dot_product_fused_attention_overrideable(
                 q[None], k[None], v[None], attn_mask, dropout_p, is_causal, scale=scale)[0][0]
         return aten._scaled_dot_product_fused_attention_overrideable(

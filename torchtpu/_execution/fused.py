@@ -195,10 +195,10 @@ def capturing():
 def replace_value(t, array):
     """Give a tensor that covers its whole storage the value `array` (None: zeros, as a fresh
     storage reads; it may hold more elements than the storage, which are never read) without
-    running an op; whether it could.  Placing a model on the device or
-    creating optimizer state then adds no ops to a fused trace, so the first training step's
-    segments equal the later steps' instead of compiling twice.  Not while ops are captured:
-    a replay must write the value again."""
+    running an op; whether it could.  Placing a model on the device or creating optimizer
+    state then adds no ops to a fused trace, so the first training step's segments equal the
+    later steps' instead of compiling twice.  Not while ops are captured: a replay must write
+    the value again."""
     buf = storage.buffer_of(t)
     if not (t.storage_offset() == 0 and t.is_contiguous() and t.numel() * t.itemsize == buf.nbytes
             and (array is None or array.dtype == buf.dtype) and not capturing()):

@@ -13,8 +13,9 @@ elements past a storage's size are never read.  Attention over grown keys and va
 (`attention`) reads them at their capacity, masks the keys past the length, and takes the
 length as an argument too: a decode step over a new length compiles nothing.
 
-Only appends onto an appended result grow: a cat of fresh tensors (a model's cat, the same
-shapes every step) stays one op.
+Only appends onto an appended result grow (or onto the empty 1-D tensor a dynamic cache
+starts from): a cat of fresh tensors (a model's cat, the same shapes every step) stays one op.
+Along an inner dim they grow only where no gradient is recorded (see _inner_append).
 """
 import functools
 import math

@@ -174,9 +174,9 @@ class OpKernel:
         """A random fill as strict eager runs it: for a contiguous tensor whose size is not a
         bucket size (fill_bucket), fill a flat tensor of the bucketed size, whose first
         elements are the very values the fill would give (Lowering.fill).  A tensor covering
-        its storage takes that array as its storage's (up to 1/8 more elements, never read;
-        a fresh `torch.empty(n).uniform_()`, `randn(n)`, a layer's initialisation); any other
-        gets the first elements copied.  A random program takes ~0.5 s of XLA:CPU compile
+        its storage takes that array as its storage's (a fresh `torch.empty(n).uniform_()`,
+        `randn(n)`, a layer's initialisation: the spare elements, at most n under 64 Ki and
+        n/8 above, are never read); any other gets the first elements copied.  A random program takes ~0.5 s of XLA:CPU compile
         (threefry), a copy ~30 ms: a loop over new sizes (PyTorch's device-generic tests) or
         a model initialised on the device compiled one per shape.
         Fused eager runs fills this way too, outside its trace: in a segment every fill is a
