@@ -87,40 +87,24 @@ def test_greedy_generate_with_kv_cache_matches_cpu(kind):
 
 
 @pytest.mark.parametrize("mode", ["strict", "fused"])
-def test_static_cache_decodes_new_lengths_with_the_executables_it_has(mode):
-    # generate() grows input_ids by a token per step: with the static KV cache, every other
-    # shape stays the same, and the growing sequence keeps its storage's shape
-    # (growing.py), so lengths never seen before compile nothing: no op, and in fused eager no
-    # segment (the last token's clone keeps the strides of a [1, L] view, a layout of its
-    # own per length, which must not make the segment another program).
-    from torchtpu._core import metrics
-    torch.manual_seed(0)
-    model = _llama().eval()
-    tpu_model = copy.deepcopy(model).to("tpu")
-    prompt = torch.randint(0, 128, (1, 8))
-    kw = dict(do_sample=False, pad_token_id=0, cache_implementation="static", max_cache_len=48)
-    with torch.tpu.set_eager_mode(mode):
-        tpu_model.generate(prompt.to("tpu"), max_new_tokens=3, min_new_tokens=3, **kw).cpu()
-        before = sum(metrics.build_counts.values())
-        got = tpu_model.generate(prompt.to("tpu"), max_new_tokens=30, min_new_tokens=30, **kw)
-        torch.tpu.synchronize()
-    built = sum(metrics.build_counts.values()) - before
-    assert torch.equal(got.cpu(), model.generate(prompt, max_new_tokens=30, min_new_tokens=30, **kw))
-    assert built == 0, {k: v for k, v in metrics.build_counts.items()}
-
-
-@pytest.mark.parametrize("mode", ["strict", "fused"])
-def test_dynamic_cache_decodes_new_lengths_with_the_executables_it_has(mode):
-    # transformers' default cache grows each layer's keys and values by cat along the length:
-    # they keep their arrays' shapes (growing.py) and attention over them takes the length as
-    # an argument, so once a call has run two decode steps (the first one reads the prompt's
-    # positions, a layout of its own), lengths never seen before compile nothing.
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_generate_decodes_new_lengths_with_the_executables_it_has(cache, mode):
+    # generate() grows input_ids by a token per step, and the growing sequence keeps its
+    # storage's shape (growing.py).  With the static KV cache every other shape stays the same;
+    # the default (dynamic) one grows each layer's keys and values by cat along the length,
+    # which keep their arrays' shapes too, and attention over them takes the length as an
+    # argument.  Once a call has run two decode steps (the first reads the prompt's positions,
+    # a layout of its own), lengths never seen before compile nothing: no op, and in fused
+    # eager no segment (the last token's clone keeps the strides of a [1, L] view, a layout
+    # of its own per length, which must not make the segment another program).
     from torchtpu._core import metrics
     torch.manual_seed(0)
     model = _llama().eval()
     tpu_model = copy.deepcopy(model).to("tpu")
     prompt = torch.randint(0, 128, (1, 8))
     kw = dict(do_sample=False, pad_token_id=0)
+    if cache == "static":
+        kw.update(cache_implementation="static", max_cache_len=48)
     with torch.tpu.set_eager_mode(mode):
         tpu_model.generate(prompt.to("tpu"), max_new_tokens=3, min_new_tokens=3, **kw).cpu()
         before = sum(metrics.build_counts.values())
