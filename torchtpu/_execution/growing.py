@@ -97,15 +97,16 @@ def _layout(t):
 
 
 def _array_of(a):
-    """The written array of `a`'s buffer holding a's elements, or None for a plain cat."""
+    """The written array of `a`'s buffer holding a's elements, or None: never written, still
+    recorded in fused eager's trace (reading it would run the trace), or of another dtype."""
     buf = storage.buffer_of(a)
     array = buf._array
     if type(array) is not storage.Array:
         if array is None or modes.get_eager_mode() is modes.EagerMode.DEFER_AND_FUSE:
-            return None  # never written, or recorded: a plain cat (it does not flush)
+            return None  # (a plain op instead, which does not run the trace)
         array = buf.value()  # an op of strict eager still compiling: wait for it
     if array.dtype != to_jax_dtype(a.dtype):
-        return None  # bytes of another type (a view of other elements): a plain cat
+        return None  # bytes of another type (a view of other elements)
     return array
 
 
@@ -144,7 +145,8 @@ def _inner_append(a, b, d):
     size = 0 if array is None else array.size
     if size < rows * (length + added) * row:
         size = rows * _capacity(length + added, _MIN_POSITIONS) * row
-    b_array = storage.buffer_of(b).value()
+    b_buf = storage.buffer_of(b)
+    b_array = b_buf.value()
     program = _inner_append_program(
         rows, added, row, size, None if array is None else tuple(array.shape),
         jnp.dtype(to_jax_dtype(b.dtype)).name, tuple(b_array.shape), str(b_array.dtype),
@@ -153,7 +155,7 @@ def _inner_append(a, b, d):
     shape = list(b.shape)
     shape[d] += length
     return storage.wrap(program(*args), shape, storage.contiguous_strides(shape), b.dtype,
-                        storage.buffer_of(b).index, math.prod(shape) * b.element_size())
+                        b_buf.index, math.prod(shape) * b.element_size())
 
 
 @functools.lru_cache(maxsize=64)
@@ -185,13 +187,10 @@ def _grown_rows(t):
     """The 1-D array of a grown tensor's buffer (its elements first, room to spare after)."""
     if not (t.is_contiguous() and t.storage_offset() == 0):
         return None
-    buf = storage.buffer_of(t)
-    if buf not in _appended:
+    if storage.buffer_of(t) not in _appended:
         return None
-    array = buf.value()
-    if array.ndim != 1 or array.dtype != to_jax_dtype(t.dtype):
-        return None
-    return array
+    array = _array_of(t)
+    return array if array is not None and array.ndim == 1 else None
 
 
 def attention(q, k, v, attn_mask, is_causal, scale):
@@ -211,7 +210,7 @@ def attention(q, k, v, attn_mask, is_causal, scale):
     program = _attention_program(
         tuple(q_array.shape), str(q_array.dtype), *_layout(q),
         rows, k.shape[-3], k.shape[-1], v.shape[-1], k_array.size, v_array.size, is_causal,
-        scale, jnp.dtype(to_jax_dtype(q.dtype)).name, torch.get_float32_matmul_precision())
+        scale, jnp.dtype(to_jax_dtype(q.dtype)).name, str(jax_precision()))
     out = program(q_array, k_array, v_array, k.shape[-2])
     shape = (*q.shape[:-1], v.shape[-1])
     return storage.wrap(out, shape, storage.contiguous_strides(shape), q.dtype, q_buf.index)
@@ -239,9 +238,9 @@ def _attention_program(q_array_shape, q_array_dtype, q_shape, q_stride, q_offset
                             scale)
         return out.astype(jdtype)
 
-    del precision  # (a key part: _attention reads it while tracing)
+    # (`precision`: _attention reads the matmul precision while tracing)
     key = ("attention", q_array_shape, q_array_dtype, q_shape, q_stride, q_offset, rows, heads,
-           k_dim, v_dim, k_size, v_size, is_causal, scale, dtype, str(jax_precision()))
+           k_dim, v_dim, k_size, v_size, is_causal, scale, dtype, precision)
     return executables.Executable(attend, executables.stable(key), "attention")
 
 
