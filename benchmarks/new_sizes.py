@@ -6,7 +6,7 @@ has sizes no earlier one had, so every op of it needs an executable of its own.
 The loop is test_indexing's `index_put_(accumulate=True)` test with duplicate indices: a random
 walk of i steps (uniform_, cumsum, a cast), then randn of two new sizes and the accumulating
 index_put. It prints the time on tpu (strict eager, cold caches) against torch on the CPU, with
-the executables compiled per iteration.
+the executables compiled per iteration. PyTorch's test runs 511 iterations (`--iterations 511`).
 """
 import argparse
 import os

@@ -18,7 +18,7 @@ import torchtpu  # noqa: E402
 # The suites that must pass in every eager mode. The default run covers strict and fused;
 # TORCHTPU_TEST_MODES=strict,fused,debug (or =debug) selects others.
 MODE_MODULES = {"test_tensors", "test_ops", "test_errors", "test_training", "test_conformance",
-                "test_mixed_devices", "test_recurrent", "test_model_ops"}
+                "test_mixed_devices", "test_recurrent", "test_model_ops", "test_new_sizes"}
 MODES = {"strict": torch.tpu.EagerMode.DEFER_NEVER,
          "fused": torch.tpu.EagerMode.DEFER_AND_FUSE,
          "debug": torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING}

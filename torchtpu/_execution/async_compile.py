@@ -120,15 +120,15 @@ def run(kernel, compiled, vals, buffers, scalars, device):
             pass  # another signature (see Executable.__call__)
     # Values of other kinds (a fused trace's) are read outside the lock: reading them may run
     # the fused trace, which holds its own lock.
-    inputs = [b._array if _queued(b._array) else b.value() for b in buffers]
+    inputs = [b._array if queued(b._array) else b.value() for b in buffers]
     with _lock:
         waiting = False
         for k, b in enumerate(buffers):
             a = b._array
-            if _queued(a):
+            if queued(a):
                 waiting = True
                 inputs[k] = a
-            elif _queued(inputs[k]):  # it ran since
+            elif queued(inputs[k]):  # it ran since
                 inputs[k] = b.value()
         args = inputs + list(scalars)
         if not (waiting or tried):
@@ -153,8 +153,16 @@ def run(kernel, compiled, vals, buffers, scalars, device):
         return _enqueue(kernel, compiled, executable, vals, buffers, inputs, scalars, device)
 
 
-def _queued(a):
+def queued(a):
+    """Whether `a` is the value of an op still queued behind its compile."""
     return type(a) is Pending and a.trace is _queue
+
+
+def queued_shape(a):
+    """The shape of the array that the queued op will give for `a` (queued(a)), or None when
+    it has run since."""
+    aval = _queue.avals.get(a.slot)
+    return None if aval is None else aval[0]
 
 
 def _abstract(pending, buf):

@@ -8,7 +8,7 @@ a special kernel never does, though the table may hold it (`copy_`, the in-place
 before the table's `index`).
 """
 from .._core import storage
-from . import composite, executables, growing, kernels, masks, transfer, views
+from . import composite, executables, growing, kernels, masks, padded, transfer, views
 
 SPECIAL_MODULES = (views, transfer, masks, growing, composite)
 
@@ -32,3 +32,4 @@ def install(lib):
     for op, kernel in transfer.CPU_KERNELS.items():
         lib.impl(op, kernel, "CPU")
     kernels.register_table(lib, skip=special)
+    padded.install()

@@ -144,6 +144,8 @@ class OpKernel:
         self.metric_key = f"op::{overload}"
         # An in-place random fill (uniform_, normal_, ...) of its first argument.
         self.fills = low.fill and self.writes == [0] and not self.args[0].is_out
+        # This op's path for 1-D tensors with room to spare (padded.install), or None.
+        self.padded = None
 
     # -- binding -------------------------------------------------------------------------
     def bind(self, args, kwargs):
@@ -155,6 +157,12 @@ class OpKernel:
             done = self._bucketed_fill(args, kwargs)
             if done is not None:
                 return done
+        if self.padded is not None and args:
+            first = args[0]
+            if isinstance(first, torch.Tensor) and first.dim() == 1:
+                done = self.padded(self, args, kwargs)
+                if done is not None:
+                    return done
         try:
             return self._call(args, kwargs)
         except _OutResized as resized:

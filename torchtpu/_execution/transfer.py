@@ -8,7 +8,7 @@ import torch
 
 from .._core import runtime, storage
 from .._core.dtypes import numpy_to_tensor, tensor_to_numpy, to_jax_dtype
-from . import fused, strided, sync
+from . import fused, padded, strided, sync
 from .._core import metrics
 from .._core.metrics import FlushReason
 from .kernels import kernel_for
@@ -102,6 +102,8 @@ def _copy_(self, src, non_blocking=False):
         moved = jax.device_put(value_of(src), runtime.jax_device(self.device.index))
         src = storage.wrap(moved, tuple(src.shape), storage.contiguous_strides(src.shape),
                            src.dtype, self.device.index)
+    elif padded.copy(self, src):  # a 1-D tensor with room to spare, cast whole
+        return self
     return kernel_for(aten.copy_.default)(self, src, non_blocking)
 
 

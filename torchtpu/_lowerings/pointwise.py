@@ -55,7 +55,8 @@ def div(x, y):
     return x / y
 
 
-@lowering("aten::div.Tensor_mode", "aten::div.Scalar_mode", promote=Promote.RESULT)
+@lowering("aten::div.Tensor_mode", "aten::div.Scalar_mode", promote=Promote.RESULT,
+          value_checks=True)
 def div_mode(x, y, rounding_mode=None):
     if rounding_mode is None:
         return x / y
@@ -92,21 +93,22 @@ def floor_divide_float(x, y):
 
 
 @lowering("aten::floor_divide.default", "aten::floor_divide.Scalar", "aten::floor_divide_.Tensor",
-          "aten::floor_divide_.Scalar", promote=Promote.RESULT)
+          "aten::floor_divide_.Scalar", promote=Promote.RESULT, value_checks=True)
 def floor_divide(x, y):
     if jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer):
         return div_mode(x, y, "floor")
     return floor_divide_float(x, y)
 
 
-@lowering("aten::remainder.Tensor", "aten::remainder.Scalar", promote=Promote.RESULT)
+@lowering("aten::remainder.Tensor", "aten::remainder.Scalar", promote=Promote.RESULT,
+          value_checks=True)
 def remainder(x, y):
     if jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer):
         _check_nonzero(y)
     return jnp.remainder(x, y)
 
 
-@lowering("aten::fmod.Tensor", "aten::fmod.Scalar", promote=Promote.RESULT)
+@lowering("aten::fmod.Tensor", "aten::fmod.Scalar", promote=Promote.RESULT, value_checks=True)
 def fmod(x, y):
     if jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer):
         _check_nonzero(y)
