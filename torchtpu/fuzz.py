@@ -510,6 +510,8 @@ def _deadline(seconds):
 def _to(v, device, copies):
     if isinstance(v, torch.Tensor):
         t = v.clone().to(device)
+        if device != "cpu" and t.dim() == 1 and t.numel() % 2 and not t.requires_grad:
+            t = _with_room_to_spare(t)
         copies.append((t, v))
         return t
     if isinstance(v, (list, tuple)):
@@ -517,6 +519,19 @@ def _to(v, device, copies):
     if v == "{device}":
         return device
     return v
+
+
+def _with_room_to_spare(t):
+    """t with 3 elements past its own in its array, as a random fill or an append leaves them
+    (ops then take padded.py's path): NaN or zero, which a wrong read or check would show."""
+    import jax.numpy as jnp
+    from ._core import storage
+    array = storage.buffer_of(t).value()
+    fill = jnp.nan if jnp.issubdtype(array.dtype, jnp.inexact) else 0
+    spare = jnp.full((3,), fill, array.dtype)
+    padded = jnp.concatenate([array.reshape(-1)[:t.numel()], spare])
+    return storage.wrap(padded, [t.numel()], [1], t.dtype, t.device.index,
+                        t.numel() * t.element_size())
 
 
 def _to_cpu(v):

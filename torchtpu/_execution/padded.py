@@ -115,9 +115,9 @@ def _padded_args(args, kwargs):
 
 def elementwise(kernel, args, kwargs):
     """A pointwise op or a scan along the one dim of 1-D tensors with room to spare."""
-    found = _operands(args, kwargs)
-    mode = None if found is None else _mode()
-    if mode is None:
+    mode = _mode()
+    found = None if mode is None else _operands(args, kwargs)
+    if found is None:
         return None
     n, size = found
     pos, kw = _padded_args(args, kwargs)
