@@ -138,6 +138,8 @@ def _identity(name, dtype):
         return {"sum": False, "prod": True, "max": False, "min": True, "any": False,
                 "all": True}[name]
     if dtype.is_floating_point:
+        if dtype.itemsize == 1:
+            return None  # (float8 types: some have no infinity to ignore)
         return {"sum": -0.0, "prod": 1.0, "max": -np.inf, "min": np.inf, "any": 0.0,
                 "all": 1.0}[name]
     info = torch.iinfo(dtype)
