@@ -1,6 +1,9 @@
 """Every patch of a PyTorch or JAX global is listed in torchtpu/_frontend/patches.py."""
 import ast
 import pathlib
+import subprocess
+import sys
+import textwrap
 
 import torch
 
@@ -56,3 +59,30 @@ def test_import_time_patches_are_in_effect_once():
     assert torch.compile is compile_ and torch.Tensor.to is current.tensor_to
     for p in patches.PATCHES:
         assert p.why and p.checked_on and p.where, p
+
+
+def test_ops_do_not_import_dynamo_until_it_is_used():
+    # The meta kernels of tpu ops include PyTorch's Python references, wrapped by
+    # torch._disable_dynamo, whose first call imported Dynamo (1.3-2.2 s).  A fresh process:
+    # ops on tpu leave Dynamo unimported; after its import the wrappers disable it as before
+    # (a compiled function over the same ops is right, and the wrapper holds Dynamo's disable).
+    code = textwrap.dedent("""
+        import sys
+        import torch, torchtpu
+        from torchtpu._frontend import patches
+        x = torch.randn(5, device="tpu")
+        y = int(x.cumsum(0).long().abs().max()) + torch.nn.functional.gelu(x).sum().item()
+        assert "torch._dynamo" not in sys.modules
+        shims = [f for f in patches.gc.get_objects() if type(f) is patches._UntilDynamoImported]
+        assert shims
+        import torch._dynamo
+        f = torch.compile(lambda a: (a.cumsum(0) * 2).sum(), backend="tpu")
+        assert f(torch.arange(5.0, device="tpu")).item() == 40.0
+        x.cumsum(0).cpu()
+        replaced = [s for s in shims if not isinstance(getattr(s.fn, "__dynamo_disable"),
+                                                       patches._UntilDynamoImported)]
+        assert replaced  # the ones called since hold Dynamo's own disabled function
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr

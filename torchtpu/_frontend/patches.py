@@ -3,7 +3,10 @@ and the torch versions it was checked on.  `install()` applies the ones made at 
 others are applied where the table says, for the reason given there.  A new patch is one more
 entry here (tests/test_layers.py fails on an assignment to a torch or jax global elsewhere)."""
 import dataclasses
+import gc
+import sys
 import threading
+import types
 
 import torch
 
@@ -69,6 +72,14 @@ PATCHES = [
     Patch("torch.optim's global optimizer step pre hook",
           "SGD momentum buffers exist before the first step, which then compiles as every later one",
           "_execution/optimizer_state.install(), at import"),
+    Patch("`__dynamo_disable` of the functions torch._disable_dynamo wraps (PyTorch's Python "
+          "references, meta kernels and decompositions)",
+          "their first call imports Dynamo (1.3-2.2 s here) to disable it around them, and "
+          "many meta kernels of tpu ops are such functions: a process's first op on tpu paid "
+          "it, where CPU torch does not. Until Dynamo is imported nothing can be tracing "
+          "them, so they run as they are; their first call after that disables Dynamo as "
+          "PyTorch's wrapper would (found by one scan of the garbage collector's objects, "
+          "~0.07 s)"),
     Patch("accelerate.state.PartialState.default_device (through a sys.meta_path finder)",
           "accelerate knows a fixed list of device types and would keep the Trainer's batches "
           "on the CPU while its model is on tpu; it picks tpu where it would pick the CPU",
@@ -96,6 +107,45 @@ def install():
     _replace(torch, "compile", backend.skipping_own_frames(step.whole_step(torch.compile)))
     wrapper = torch._TorchCompileInductorWrapper
     _replace(wrapper, "__call__", backend.routed_to_tpu(wrapper.__call__))
+    if "torch._dynamo" not in sys.modules:
+        _defer_dynamo_disable()
+
+
+# --- torch._disable_dynamo: no Dynamo import before Dynamo is used ---------------------------
+class _UntilDynamoImported:
+    """What `torch._disable_dynamo`'s wrapper calls for `fn` (its `__dynamo_disable`): `fn`
+    itself while Dynamo is not imported, then (and from then on) `fn` with Dynamo disabled,
+    made as PyTorch's wrapper makes it."""
+    __slots__ = ("fn", "recursive")
+
+    def __init__(self, fn, recursive):
+        self.fn = fn
+        self.recursive = recursive
+
+    def __call__(self, *args, **kwargs):
+        disable = getattr(sys.modules.get("torch._dynamo"), "disable", None)
+        if disable is None:  # (also while Dynamo is being imported)
+            return self.fn(*args, **kwargs)
+        try:
+            disabled = disable(self.fn, self.recursive, wrapping=False)
+        except TypeError:  # a release whose disable() takes no `wrapping`
+            disabled = disable(self.fn, self.recursive)
+        setattr(self.fn, "__dynamo_disable", disabled)
+        return disabled(*args, **kwargs)
+
+
+def _defer_dynamo_disable():
+    """Give every function that torch._disable_dynamo has wrapped so far an
+    `_UntilDynamoImported` (PATCHES).  Its wrappers share one code object; they are reached
+    only through the functions calling them, so they are found among all objects."""
+    inner = torch._disable_dynamo(_defer_dynamo_disable).__code__
+    if inner.co_freevars[:2] != ("fn", "recursive"):
+        return  # another release's wrapper: left as it is
+    for f in gc.get_objects():
+        if type(f) is types.FunctionType and f.__code__ is inner:
+            fn, recursive = (cell.cell_contents for cell in f.__closure__[:2])
+            if getattr(fn, "__dynamo_disable", None) is None:
+                setattr(fn, "__dynamo_disable", _UntilDynamoImported(fn, recursive))
 
 
 # --- nn.Module._apply: keeping tied parameters tied ------------------------------------------
