@@ -74,19 +74,16 @@ def test_pointwise_ops_and_scans_read_no_spare_element(eager_mode):
     a_cpu = torch.tensor([1.5, -2.0, float("nan"), 0.25, -0.0])
     b_cpu = torch.tensor([3.0, 0.5, -1.0, float("inf"), 2.0])
     a, b = padded(a_cpu, SPARE_F), padded(b_cpu, -SPARE_F)
-    s = torch.tensor(2.5, device="tpu")
+    s = torch.tensor(2.5, device="tpu")  # a 0-dim operand beside them
     cases = [
-        (lambda x, y: x.abs(), None), (lambda x, y: x.exp(), None),
-        (lambda x, y: torch.sign(x), None), (lambda x, y: x.isnan(), None),
-        (lambda x, y: x + y * 2, None), (lambda x, y: torch.maximum(x, y), None),
-        (lambda x, y: torch.where(x > y, x, y), None), (lambda x, y: x * s, s.cpu()),
-        (lambda x, y: x.cumsum(0), None), (lambda x, y: y.cumprod(-1), None),
-        (lambda x, y: x.cumsum(0, dtype=torch.float64), None),
-        (lambda x, y: torch.frexp(y), None),
+        lambda x, y, s: x.abs(), lambda x, y, s: x.exp(), lambda x, y, s: torch.sign(x),
+        lambda x, y, s: x.isnan(), lambda x, y, s: x + y * 2, lambda x, y, s: torch.maximum(x, y),
+        lambda x, y, s: torch.where(x > y, x, y), lambda x, y, s: x * s,
+        lambda x, y, s: x.cumsum(0), lambda x, y, s: y.cumprod(-1),
+        lambda x, y, s: x.cumsum(0, dtype=torch.float64), lambda x, y, s: torch.frexp(y),
     ]
-    for fn, s_cpu in cases:
-        result = fn(a, b) if s_cpu is None else fn(a, b)
-        expected = fn(a_cpu, b_cpu) if s_cpu is None else a_cpu * s_cpu
+    for fn in cases:
+        result, expected = fn(a, b, s), fn(a_cpu, b_cpu, s.cpu())
         assert_same(result, expected)
         first = result[0] if isinstance(result, tuple) else result
         assert first.untyped_storage().nbytes() == 5 * first.element_size()
