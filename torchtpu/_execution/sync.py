@@ -28,7 +28,10 @@ _recent = collections.deque(maxlen=4096)
 _checks = collections.deque()
 _failed = []  # an error found while trimming the queue, raised at the next wait
 _lock = threading.Lock()
-_MAX_CHECKS = 256  # beyond this, checks that are done are read (no wait) to free them
+# Beyond this many, the oldest checks that are done are read (no wait) to free them, down to
+# half: one read per 128 ops (a read costs ~50-100 us of JAX's host-side work; reading one
+# check per op beyond the limit made a strict index op take 2-3x its time).
+_MAX_CHECKS = 256
 # Work queued behind compiles (async_compile.drain), run before the host waits: its checks
 # must be read at this wait, and what an Event or synchronize() waits for must be dispatched.
 _before_wait = []
@@ -74,9 +77,13 @@ def defer(arrays, error):
     None when they passed."""
     with _lock:
         _checks.append((arrays, error))
-        while len(_checks) > _MAX_CHECKS and _ready(_checks[0][0]):
-            arrays, error = _checks.popleft()
-            e = error(jax.device_get(arrays))
+        if len(_checks) <= _MAX_CHECKS:
+            return
+        done = []
+        while len(_checks) > _MAX_CHECKS // 2 and _ready(_checks[0][0]):
+            done.append(_checks.popleft())
+        for (_, error), values in zip(done, jax.device_get([a for a, _ in done])):
+            e = error(values)
             if e is not None and not _failed:
                 _failed.append(e)
 
