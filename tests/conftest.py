@@ -10,6 +10,11 @@ if "TORCHTPU_CACHE_DIR" not in os.environ:
     os.environ["TORCHTPU_CACHE_DIR"] = tempfile.mkdtemp(prefix="torchtpu-test-cache-")
     atexit.register(shutil.rmtree, os.environ["TORCHTPU_CACHE_DIR"], True)
 
+# Small index ops with ready inputs would run on the host by PyTorch's CPU kernel (masks.py),
+# whether a test's inputs are ready or not depending on timing: the suite tests the index
+# lowerings, which every step on the device runs; tests/test_index_patterns.py turns it on.
+os.environ.setdefault("TORCHTPU_INDEX_HOST_SECONDS", "0")
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -18,7 +23,8 @@ import torchtpu  # noqa: E402
 # The suites that must pass in every eager mode. The default run covers strict and fused;
 # TORCHTPU_TEST_MODES=strict,fused,debug (or =debug) selects others.
 MODE_MODULES = {"test_tensors", "test_ops", "test_errors", "test_training", "test_conformance",
-                "test_mixed_devices", "test_recurrent", "test_model_ops", "test_new_sizes"}
+                "test_mixed_devices", "test_recurrent", "test_model_ops", "test_new_sizes",
+                "test_index_patterns"}
 MODES = {"strict": torch.tpu.EagerMode.DEFER_NEVER,
          "fused": torch.tpu.EagerMode.DEFER_AND_FUSE,
          "debug": torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING}

@@ -75,7 +75,7 @@ def span(name):
 _SECTIONS = [
     ("Execution", ["ops", "fused_ops", "compiles", "flushes", "segment_compiles",
                    "segment_cache_hits", "donated_buffers", "syncs", "blocking_waits",
-                   "executable_evictions", "segment_evictions"]),
+                   "executable_evictions", "segment_evictions", "index_ops_on_host"]),
     ("torch.compile", ["graph_captures", "graph_recompiles", "graph_compiles", "graph_cache_hits",
                        "graph_eager_runs", "capture_seconds", "graph_evictions"]),
     ("torch.tpu graphs", ["tpu_graph_captures", "tpu_graph_compiles", "tpu_graph_replays",
@@ -99,6 +99,7 @@ _EXPLAINED = {
     "segment_cache_hits": "fused segments replayed from the cache",
     "executable_evictions": "per-op executables dropped by the cache bound (LRU)",
     "segment_evictions": "fused segments dropped by the cache bound (LRU)",
+    "index_ops_on_host": "small index ops of new patterns run by PyTorch's CPU kernel",
     "donated_buffers": "input arrays consumed in place by segments/graphs",
     "syncs": "data-dependent ops that waited for values",
     "blocking_waits": "times the host waited for the device (sync, .item(), .cpu(), debug mode)",
