@@ -147,3 +147,29 @@ def test_large_tensors_compile_at_once(eager_mode, host_seconds):
     assert x[i].cpu().tolist() == [3.0, 3.0]
     assert on_host() == hosted
 
+
+@pytest.mark.parametrize("host", [0.0, 1e9])
+def test_an_index_put_into_a_storage_its_operands_share_raises(eager_mode, host_seconds, host):
+    """ATen refuses index_put_ whose values or indices overlap the target (the 1-D cases took
+    padded.py's path, which skipped the check; host copies would hide it too)."""
+    host_seconds(host)
+    for make in (lambda x, i: x.index_put_((i,), x[1:3]),  # partial overlap, offset 1
+                 lambda x, i: x.index_put_((i,), x[:2]),   # at offset 0
+                 lambda x, i: x.index_put_((x[:2].long(),), x[2:4]),
+                 lambda x, i: x.long().index_put_((i,), torch.ones(2, dtype=torch.long,
+                                                                   device=x.device))):
+        for device in ("cpu", "tpu"):
+            x, i = ready(torch.arange(6.0, device=device), torch.tensor([0, 1], device=device))
+            try:
+                make(x, i)
+                torch.tpu.synchronize()
+                outcome = x.cpu().tolist()
+            except RuntimeError as e:
+                outcome = "memory location" in str(e)
+            if device == "cpu":
+                expected = outcome
+        assert outcome == expected
+    x = ready(torch.arange(6, device="tpu"))[0]
+    with pytest.raises(RuntimeError, match="single memory location"):
+        x.index_put_((x[:2],), torch.tensor([7, 8], device="tpu"))
+    assert x.cpu().tolist() == [0, 1, 2, 3, 4, 5]

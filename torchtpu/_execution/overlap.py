@@ -17,7 +17,7 @@ except ImportError:  # older releases: the same check under its old name
 from .._core import registry
 
 _NO_OVERLAP = {"aten::cat", "aten::index_select", "aten::take", "aten::masked_select",
-               "aten::gather"}
+               "aten::gather", "aten::index_put_", "aten::_index_put_impl_"}
 # Ops that only refuse an output mapping several elements to one address.
 _OUTPUT_ONLY = {"aten::bernoulli", "aten::bernoulli_", "aten::uniform_", "aten::normal_", "aten::random_",
                 "aten::exponential_", "aten::geometric_", "aten::cauchy_", "aten::log_normal_"}

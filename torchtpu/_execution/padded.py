@@ -238,8 +238,12 @@ def index_put(kernel, args, kwargs):
         return None
     if all(a.size == t.numel() for a, t in ((x_array, x), (i_array, index), (v_array, values))):
         return None  # nothing to spare: the table's op, keyed on these sizes
-    if kernel.writes and x.numel() * x.element_size() != storage.buffer_of(x).nbytes:
-        return None  # index_put_ of a tensor not covering its storage
+    if kernel.writes and (x.numel() * x.element_size() != storage.buffer_of(x).nbytes
+                          or storage.buffer_of(x) in (storage.buffer_of(index),
+                                                      storage.buffer_of(values))):
+        # index_put_ of a tensor not covering its storage, or one whose storage another
+        # operand shares (PyTorch refuses the overlap: the table's op checks it)
+        return None
     kernel.low.validate(x, indices, values)  # PyTorch's errors for bad dtypes and shapes
     program = _index_put_program(x_array.size, jnp.dtype(x_array.dtype).name, i_array.size,
                                  jnp.dtype(i_array.dtype).name,
