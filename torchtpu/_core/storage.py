@@ -181,6 +181,13 @@ def buffer_of(t):
     return t.untyped_storage()._tpu
 
 
+def covers_storage(t):
+    """Whether t is its storage's whole contents in storage order (offset 0, contiguous, every
+    byte): an array of t's values can then become the storage's."""
+    return (t.storage_offset() == 0 and t.is_contiguous()
+            and t.numel() * t.itemsize == buffer_of(t).nbytes)
+
+
 _torch_devices = {}
 
 

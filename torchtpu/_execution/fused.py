@@ -200,8 +200,8 @@ def replace_value(t, array):
     later steps' instead of compiling twice.  Not while ops are captured: a replay must write
     the value again."""
     buf = storage.buffer_of(t)
-    if not (t.storage_offset() == 0 and t.is_contiguous() and t.numel() * t.itemsize == buf.nbytes
-            and (array is None or array.dtype == buf.dtype) and not capturing()):
+    if not (storage.covers_storage(t) and (array is None or array.dtype == buf.dtype)
+            and not capturing()):
         return False
     with _lock:  # not while a flush is storing its results
         buf._array = array

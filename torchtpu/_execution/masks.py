@@ -74,11 +74,6 @@ _HOST_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, t
                 torch.complex128}
 
 
-def _covers_storage(t):
-    return (t.storage_offset() == 0 and t.is_contiguous()
-            and t.numel() * t.itemsize == storage.buffer_of(t).nbytes)
-
-
 def _alone(x, others):
     """No other operand shares x's storage: PyTorch refuses some overlaps of an in-place
     target (overlap.py checks them on the device's path), which host copies would hide."""
@@ -109,7 +104,7 @@ def _host_run(op, x, indices, values=None, rest=(), inplace=False):
         if t.device != x.device or t.numel() > _HOST_MAX_ELEMENTS or t.dtype not in _HOST_DTYPES:
             return None
         pattern += (t.dtype, t.shape, t.stride())
-    if inplace and not (_covers_storage(x) and _alone(x, tensors[1:])):
+    if inplace and not (storage.covers_storage(x) and _alone(x, tensors[1:])):
         return None
     pattern = tuple(pattern) + tuple(i is None for i in indices)
     spent = _spent.get(pattern, 0.0)

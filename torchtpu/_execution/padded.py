@@ -31,6 +31,7 @@ from .._core import registry, storage
 from .._core.dtypes import to_jax_dtype
 from . import async_compile, debug, executables, fused, modes, sync
 from .kernels import kernel_for
+from .op_kernel import _Compiled
 
 aten = torch.ops.aten
 _FUSED = modes.EagerMode.DEFER_AND_FUSE
@@ -186,13 +187,13 @@ def _one_value(t):
     return array
 
 
-def _index_error(values, overload, key, where):
-    if bool(np.asarray(values[0])):
-        return None
-    error = IndexError("index out of range in self")
-    return debug.attributed(error, overload, debug.describe_key(key), where,
-                            note="\n  (its in-place targets kept their values; a device-side "
-                                 "check, read when the host next waited)")
+def _index_check(key):
+    """What debug.failed_check reads of an op's executable (its key and its checks' errors),
+    for the bounds check of _index_put_program."""
+    compiled = _Compiled()
+    compiled.key = key
+    compiled.check_info = [(IndexError, "index out of range in self")]
+    return compiled
 
 
 @functools.lru_cache(maxsize=256)
@@ -238,7 +239,7 @@ def index_put(kernel, args, kwargs):
         return None
     if all(a.size == t.numel() for a, t in ((x_array, x), (i_array, index), (v_array, values))):
         return None  # nothing to spare: the table's op, keyed on these sizes
-    if kernel.writes and (x.numel() * x.element_size() != storage.buffer_of(x).nbytes
+    if kernel.writes and (not storage.covers_storage(x)
                           or storage.buffer_of(x) in (storage.buffer_of(index),
                                                       storage.buffer_of(values))):
         # index_put_ of a tensor not covering its storage, or one whose storage another
@@ -252,7 +253,9 @@ def index_put(kernel, args, kwargs):
     key = (x.dtype, tuple(x.shape), x.stride(), 0, 0), (index.dtype, tuple(index.shape),
                                                          index.stride(), 0, 1)
     where = debug.user_frame(3)
-    error = functools.partial(_index_error, overload=kernel.overload, key=key, where=where)
+    error = functools.partial(debug.failed_check, compiled=_index_check(key),
+                              op_name=kernel.overload, where=where,
+                              note="its in-place targets kept their values")
     if mode is modes.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
         e = error([np.asarray(ok)])
         if e is not None:
@@ -279,9 +282,8 @@ def copy(dst, src):
     if array is None or src.requires_grad:
         return False
     buf = storage.buffer_of(dst)
-    if not (dst.storage_offset() == 0 and dst.stride() == (1,)
-            and dst.numel() * dst.element_size() == buf.nbytes
-            and buf.dtype == to_jax_dtype(dst.dtype) and not dst.is_conj() and not dst.is_neg()):
+    if not (storage.covers_storage(dst) and buf.dtype == to_jax_dtype(dst.dtype)
+            and not dst.is_conj() and not dst.is_neg()):
         return False
     target = storage.wrap(None, [array.size], [1], dst.dtype, dst.device.index)
     kernel_for(aten.copy_.default)._call([target, _view(src, array)], {}, mode=mode)
