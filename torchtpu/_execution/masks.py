@@ -89,10 +89,10 @@ def _ready(t):
 def _host_run(op, x, indices, values=None, rest=(), inplace=False):
     """`op` run on the host, or None where it should compile: in fused eager or a capture,
     with a tensor on another device, large or of a dtype the CPU lacks, or an in-place target
-    that does not cover its storage (its new value replaces the storage's array); and from the
-    call where the pattern's host runs have cost _HOST_SECONDS, or one of its inputs was still
-    being computed (waiting for it would stall the device's queue: a training step's index
-    ops compile at its first run, as every op does), on."""
+    that does not cover its storage (its new value replaces the storage's array).  A pattern
+    also compiles, and stays compiled, once its host runs have cost _HOST_SECONDS or at a call
+    where one of its inputs is still being computed: waiting for it would stall the device's
+    queue, so a training step's index ops compile at its first run, as every op does."""
     if _HOST_SECONDS <= 0 or modes.get_eager_mode() is modes.EagerMode.DEFER_AND_FUSE \
             or fused.capturing():
         return None
