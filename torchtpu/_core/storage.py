@@ -188,6 +188,13 @@ def covers_storage(t):
             and t.numel() * t.itemsize == buffer_of(t).nbytes)
 
 
+def shares_storage(t, others):
+    """Whether any tensor of `others` is a view of t's storage (PyTorch refuses such operands
+    of some in-place ops: overlap.py; a path that bypasses its check must leave them alone)."""
+    buf = buffer_of(t)
+    return any(buffer_of(o) is buf for o in others)
+
+
 _torch_devices = {}
 
 

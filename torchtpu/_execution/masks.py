@@ -20,8 +20,7 @@ import warnings
 import jax
 import torch
 
-from .._core import metrics, runtime, storage
-from .._core.dtypes import tensor_to_numpy
+from .._core import metrics, storage
 from . import debug, fused, modes
 from .kernels import kernel_for
 from .transfer import to_host
@@ -74,13 +73,6 @@ _HOST_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, t
                 torch.complex128}
 
 
-def _alone(x, others):
-    """No other operand shares x's storage: PyTorch refuses some overlaps of an in-place
-    target (overlap.py checks them on the device's path), which host copies would hide."""
-    buf = storage.buffer_of(x)
-    return all(storage.buffer_of(t) is not buf for t in others)
-
-
 def _ready(t):
     a = storage.buffer_of(t)._array
     return a is None or (isinstance(a, jax.Array) and a.is_ready())
@@ -104,7 +96,7 @@ def _host_run(op, x, indices, values=None, rest=(), inplace=False):
         if t.device != x.device or t.numel() > _HOST_MAX_ELEMENTS or t.dtype not in _HOST_DTYPES:
             return None
         pattern += (t.dtype, t.shape, t.stride())
-    if inplace and not (storage.covers_storage(x) and _alone(x, tensors[1:])):
+    if inplace and (not storage.covers_storage(x) or storage.shares_storage(x, tensors[1:])):
         return None
     pattern = tuple(pattern) + tuple(i is None for i in indices)
     spent = _spent.get(pattern, 0.0)
@@ -122,9 +114,7 @@ def _host_run(op, x, indices, values=None, rest=(), inplace=False):
     except Exception as e:  # PyTorch's own error, naming the op and the line as strict's do
         raise debug.attributed(e, op, debug.describe_inputs(tensors), debug.user_frame(3)) from e
     if inplace:
-        value = jax.device_put(tensor_to_numpy(host), runtime.jax_device(x.device.index))
-        if not fused.replace_value(x, value):  # (a storage of another dtype)
-            x.copy_(host)
+        x.copy_(host)  # (x covers its storage: the transfer's array becomes the storage's)
         out = x
     else:
         out = out.to(x.device)

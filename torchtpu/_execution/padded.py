@@ -240,8 +240,7 @@ def index_put(kernel, args, kwargs):
     if all(a.size == t.numel() for a, t in ((x_array, x), (i_array, index), (v_array, values))):
         return None  # nothing to spare: the table's op, keyed on these sizes
     if kernel.writes and (not storage.covers_storage(x)
-                          or storage.buffer_of(x) in (storage.buffer_of(index),
-                                                      storage.buffer_of(values))):
+                          or storage.shares_storage(x, (index, values))):
         # index_put_ of a tensor not covering its storage, or one whose storage another
         # operand shares (PyTorch refuses the overlap: the table's op checks it)
         return None
