@@ -33,8 +33,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS = 3
-# Every kind of executable torchtpu builds (strict ops, fused segments, compiled graphs).
-BUILT = ("compiles", "segment_compiles", "graph_captures", "graph_compiles")
+# Executables of every kind (strict ops, fused segments, compiled graphs, the small programs
+# around them) that were traced and compiled, or loaded from the persistent cache.
+BUILT = ("executables_compiled", "executables_loaded")
 
 
 # Pieces of torch.compile's own work (torch._dynamo.utils.compile_times(), nested: Dynamo's

@@ -10,8 +10,10 @@ from torchtpu.examples.models import GPT
 
 from conftest import MODES, backward_and_step
 
-# Every kind of executable a step can build.
-_BUILT = ("compiles", "segment_compiles", "graph_captures", "graph_compiles")
+# Every kind of executable a step can build, and every program traced and compiled or loaded
+# from the persistent cache (the small ones around them included: a number put on the device).
+_BUILT = ("compiles", "segment_compiles", "graph_captures", "graph_compiles",
+          "executables_compiled", "executables_loaded")
 
 _OPTIMIZERS = {
     "adamw_foreach": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, foreach=True)),

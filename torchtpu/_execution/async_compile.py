@@ -106,6 +106,15 @@ def _get_pool():
     return _pool
 
 
+def prebuild(executable, args):
+    """Build `executable` for `args` ahead of its first use: on the pool when there is one
+    (the caller goes on at once), else now."""
+    if enabled():
+        executable.start(args, _get_pool())
+    else:
+        executable.prepare(*args)
+
+
 def run(kernel, compiled, vals, buffers, scalars, device):
     """A strict op: run it now if its executable is ready and its inputs exist, else queue it."""
     fn = compiled.fn

@@ -921,6 +921,13 @@ def _device_scalar(v, device):
         if len(_scalar_seen) > 65536:
             _scalar_seen.clear()
         _scalar_seen.add(key)
+        kind = (type(v), device)
+        if kind not in _scalar_seen:
+            # The executable a second sight needs is built at the first: a compiled step's
+            # only strict op with a number (backward's fill_(1.0)) sees its second at step 2,
+            # which must build nothing.
+            _scalar_seen.add(kind)
+            async_compile.prebuild(executables.scalar(*kind), (v,))
         return v
     if len(_scalar_cache) > 4096:
         _scalar_cache.clear()
