@@ -4,6 +4,7 @@ vs native torch CPU eager vs the same step written directly in JAX under one jax
     python benchmarks/train_step.py [--mode strict,fused,compile,graph] [--layers 4 --d-model 256
                                      --heads 4 --seq 128 --batch 8 --vocab 1024]
                                     [--small]  (also the small GPT: 2 layers, d 128, T 64)
+                                    [--fused-adamw]  (AdamW(fused=True) everywhere)
 
 Each mode starts from empty executable caches, so its first step shows its own warm-up (the
 persistent compilation cache is off here unless TORCHTPU_CACHE_DIR is set).
@@ -118,6 +119,8 @@ def main():
                     help="comma list of strict, fused, debug, compile, graph, onestep")
     ap.add_argument("--no-inductor", action="store_true",
                     help="with compile: skip torch.compile (inductor) on the CPU, which takes minutes")
+    ap.add_argument("--fused-adamw", action="store_true",
+                    help="AdamW(fused=True) (one _fused_adamw_ op) in every torch mode, the CPU's included")
     ap.add_argument("--small", action="store_true",
                     help="run the small GPT (2 layers, d_model 128, seq 64) first, in the same process")
     a = ap.parse_args()
@@ -126,9 +129,9 @@ def main():
     run(a)
 
 
-def graph_step(model, x, y):
+def graph_step(model, x, y, adamw_options):
     """A torch.tpu graph of the training step: warm up eagerly, capture once, replay."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+    opt = torch.optim.AdamW(model.parameters(), **adamw_options, capturable=True)
     step = torch_step(model, opt, x, y)
     step()
     step()
@@ -145,7 +148,8 @@ def run(a):
     tgt = torch.randint(0, a.vocab, (a.batch, a.seq))
 
     cpu_model = copy.deepcopy(model)
-    t_cpu = time_steps(torch_step(cpu_model, torch.optim.AdamW(cpu_model.parameters(), lr=1e-3), idx, tgt),
+    adamw = dict(lr=1e-3, fused=True) if a.fused_adamw else dict(lr=1e-3)
+    t_cpu = time_steps(torch_step(cpu_model, torch.optim.AdamW(cpu_model.parameters(), **adamw), idx, tgt),
                        a.steps, lambda: None)
     print(f"  [torch CPU eager: {t_cpu:.1f} ms/step]", flush=True)
 
@@ -153,7 +157,8 @@ def run(a):
              "debug": torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING,
              "compile": torch.tpu.EagerMode.DEFER_NEVER, "graph": torch.tpu.EagerMode.DEFER_NEVER,
              "onestep": torch.tpu.EagerMode.DEFER_NEVER}
-    counted = ("compiles", "segment_compiles", "graph_compiles", "graph_captures", "tpu_graph_compiles")
+    counted = ("compiles", "segment_compiles", "graph_compiles", "graph_captures", "tpu_graph_compiles",
+               "executables_compiled", "executables_loaded")
     results, replays = {}, {}
     for name in a.mode.split(","):
         torchtpu.clear_caches()
@@ -161,10 +166,10 @@ def run(a):
         with torch.tpu.set_eager_mode(modes[name]):
             tpu_model = copy.deepcopy(model).to("tpu")
             t0 = time.perf_counter()
-            step = torch_step(tpu_model, torch.optim.AdamW(tpu_model.parameters(), lr=1e-3),
+            step = torch_step(tpu_model, torch.optim.AdamW(tpu_model.parameters(), **adamw),
                               idx.to("tpu"), tgt.to("tpu"))
             if name == "graph":
-                step = graph_step(tpu_model, idx.to("tpu"), tgt.to("tpu"))
+                step = graph_step(tpu_model, idx.to("tpu"), tgt.to("tpu"), adamw)
             if name == "compile":
                 step = torch.compile(step, backend="tpu")
             if name == "onestep":
@@ -190,7 +195,7 @@ def run(a):
         torch._dynamo.reset()
         ind_model = copy.deepcopy(model)
         t0 = time.perf_counter()
-        ind_step = torch.compile(torch_step(ind_model, torch.optim.AdamW(ind_model.parameters(), lr=1e-3),
+        ind_step = torch.compile(torch_step(ind_model, torch.optim.AdamW(ind_model.parameters(), **adamw),
                                             idx, tgt))
         ind_step()
         inductor_warmup = time.perf_counter() - t0
@@ -212,7 +217,8 @@ def run(a):
     jax_host = []
     t_jax = time_steps(jstep, a.steps, lambda: state["loss"].block_until_ready(), jax_host)
 
-    print(f"GPT {a.layers} layers, d_model {a.d_model}, {a.heads} heads, seq {a.seq}, batch {a.batch}, vocab {a.vocab}; AdamW")
+    print(f"GPT {a.layers} layers, d_model {a.d_model}, {a.heads} heads, seq {a.seq}, batch {a.batch}, "
+          f"vocab {a.vocab}; AdamW{'(fused=True)' if a.fused_adamw else ''}")
     for name, (ms, _, new_compiles, waits, host) in results.items():
         label = {"compile": "compiled", "graph": "graph replay",
                  "onestep": "compiled 1-exe"}.get(name, f"{name} eager")

@@ -86,3 +86,27 @@ def test_ops_do_not_import_dynamo_until_it_is_used():
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_an_optimizer_imports_dynamo_where_pytorch_does():
+    # torch.optim's first step imports Dynamo in any case (`_use_grad`); stock PyTorch pays that
+    # import when the optimizer is made (its `add_param_group` is wrapped by
+    # torch._disable_dynamo), and so does an optimizer of tpu parameters: not the first step.
+    code = textwrap.dedent("""
+        import sys
+        import torch, torchtpu
+        p = torch.nn.Parameter(torch.ones(3, device="tpu"))
+        assert "torch._dynamo" not in sys.modules
+        opt = torch.optim.AdamW([p], lr=0.1)
+        assert "torch._dynamo" in sys.modules
+        p.sum().backward()
+        opt.step()
+        print(p.tolist())
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    expected = torch.ones(3, requires_grad=True)
+    opt = torch.optim.AdamW([expected], lr=0.1)
+    expected.sum().backward()
+    opt.step()
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip() == str(expected.tolist()), (r.stdout, expected.tolist())

@@ -79,7 +79,9 @@ PATCHES = [
           "it, where CPU torch does not. Until Dynamo is imported nothing can be tracing "
           "them, so they run as they are; their first call after that disables Dynamo as "
           "PyTorch's wrapper would (found by one scan of the garbage collector's objects, "
-          "~0.07 s)"),
+          "~0.07 s). torch.optim's are left as PyTorch made them: an optimizer's first step "
+          "imports Dynamo anyway (its `_use_grad`), and stock PyTorch pays that import when "
+          "the optimizer is made (`add_param_group`), not inside the first training step"),
     Patch("accelerate.state.PartialState.default_device (through a sys.meta_path finder)",
           "accelerate knows a fixed list of device types and would keep the Trainer's batches "
           "on the CPU while its model is on tpu; it picks tpu where it would pick the CPU",
@@ -144,6 +146,8 @@ def _defer_dynamo_disable():
     for f in gc.get_objects():
         if type(f) is types.FunctionType and f.__code__ is inner:
             fn, recursive = (cell.cell_contents for cell in f.__closure__[:2])
+            if getattr(fn, "__module__", "").startswith("torch.optim"):
+                continue  # (PATCHES says why)
             if getattr(fn, "__dynamo_disable", None) is None:
                 setattr(fn, "__dynamo_disable", _UntilDynamoImported(fn, recursive))
 
