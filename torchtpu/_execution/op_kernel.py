@@ -904,6 +904,7 @@ def _read(slot, arrays, scalar_it, offsets, promote_dtype):
 # zeros and NaN are never cached (-0.0 == 0.0 and NaN != NaN would confuse the lookup).
 _scalar_cache = {}
 _scalar_seen = set()
+_scalar_kinds = set()  # (type, device) of the numbers seen: their executable is built
 _INT64 = (-(1 << 63), 1 << 63)
 
 
@@ -922,11 +923,11 @@ def _device_scalar(v, device):
             _scalar_seen.clear()
         _scalar_seen.add(key)
         kind = (type(v), device)
-        if kind not in _scalar_seen:
+        if kind not in _scalar_kinds:
             # The executable a second sight needs is built at the first: a compiled step's
             # only strict op with a number (backward's fill_(1.0)) sees its second at step 2,
             # which must build nothing.
-            _scalar_seen.add(kind)
+            _scalar_kinds.add(kind)
             async_compile.prebuild(executables.scalar(*kind), (v,))
         return v
     if len(_scalar_cache) > 4096:

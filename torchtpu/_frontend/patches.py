@@ -146,7 +146,7 @@ def _defer_dynamo_disable():
     for f in gc.get_objects():
         if type(f) is types.FunctionType and f.__code__ is inner:
             fn, recursive = (cell.cell_contents for cell in f.__closure__[:2])
-            if getattr(fn, "__module__", "").startswith("torch.optim"):
+            if (getattr(fn, "__module__", None) or "").startswith("torch.optim"):
                 continue  # (PATCHES says why)
             if getattr(fn, "__dynamo_disable", None) is None:
                 setattr(fn, "__dynamo_disable", _UntilDynamoImported(fn, recursive))
