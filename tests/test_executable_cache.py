@@ -39,12 +39,16 @@ def step():
     return loss
 if mode == "compiled":
     step = torch.compile(step, backend="tpu")
+if mode == "onestep":  # two eager warm-up steps, then the step captured and replayed
+    step = torch.compile(step, backend="tpu", mode="reduce-overhead")
 losses = [step().detach() for _ in range(3)]
 np.save(out, np.concatenate([t.detach().cpu().numpy().ravel() for t in losses + list(m.parameters())]))
 executables.wait_for_writes()
 c = torchtpu.metrics()
+frames = sys.modules.get("torch._dynamo") and sum(torch._dynamo.utils.counters["frames"].values())
 print("METRICS", *(c.get(k, 0) for k in ("executables_compiled", "executables_loaded",
-                                          "executable_cache_rejected", "persistent_cache_rejected")))
+                                          "executable_cache_rejected", "persistent_cache_rejected",
+                                          "step_captures")), int(frames or 0))
 """
 
 
@@ -59,9 +63,10 @@ def _start(tmp_path, mode, name, cache_dir=None, version=None):
 def _finish(proc):
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
-    compiled, loaded, rejected, store_rejected = map(int, out.split("METRICS")[1].split())
+    compiled, loaded, rejected, store_rejected, captures, frames = map(
+        int, out.split("METRICS")[1].split())
     return {"compiled": compiled, "loaded": loaded, "rejected": rejected + store_rejected,
-            "warnings": err}
+            "captures": captures, "dynamo_frames": frames, "warnings": err}
 
 
 def _step(tmp_path, mode, name, **kw):
@@ -88,12 +93,15 @@ def _reference():
     return np.concatenate([t.detach().numpy().ravel() for t in losses + list(m.parameters())])
 
 
-@pytest.mark.parametrize("mode", ["strict", "fused", "compiled"])
+@pytest.mark.parametrize("mode", ["strict", "fused", "compiled", "onestep"])
 def test_a_warm_process_builds_nothing_and_computes_the_same_bits(tmp_path, mode):
     cold = _step(tmp_path, mode, "cold")
     assert cold["compiled"] > 0 and cold["loaded"] == 0
     warm = _step(tmp_path, mode, "warm")
     assert warm["compiled"] == 0 and warm["loaded"] == cold["compiled"] and warm["rejected"] == 0
+    if mode == "onestep":  # the whole step's executable included, and no Dynamo in either
+        assert cold["captures"] == warm["captures"] == 1
+        assert cold["dynamo_frames"] == warm["dynamo_frames"] == 0
     assert _bits(tmp_path, "cold") == _bits(tmp_path, "warm")
     np.testing.assert_allclose(np.load(tmp_path / "warm.npy"), _reference(), rtol=1e-4, atol=1e-5)
 

@@ -128,11 +128,11 @@ def _capturable_optimizers_on_tpu():
     original_init = OptimizerVariable.__init__
 
     def _set_capturable(self, tx):
-        _mark_capturable(self.value)
+        mark_capturable(self.value)
         return original(self, tx)
 
     def __init__(self, value, *args, **kwargs):
-        _mark_capturable(value)
+        mark_capturable(value)
         original_init(self, value, *args, **kwargs)
 
     _set_capturable._torchtpu = True
@@ -140,7 +140,7 @@ def _capturable_optimizers_on_tpu():
     OptimizerVariable.__init__ = __init__
 
 
-def _mark_capturable(optimizer):
+def mark_capturable(optimizer):
     for group in optimizer.param_groups:
         params = group.get("params", [])
         if ("capturable" in group and params

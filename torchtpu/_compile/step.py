@@ -3,15 +3,19 @@
 between its graphs.
 
 Dynamo splits such a step into several graphs with Python between them (the autograd engine
-runs the backward graph; `zero_grad` and optimizer hooks break the frame).  This mode first
-runs the step as Dynamo compiled it (two warm-up calls, which also create the optimizer's
-state), then captures one call as a torch.tpu graph (graphs.py: every compiled graph records
-its ops into one trace) and from then on replays that executable: each call only binds the new
-arguments' storages, checks what the capture baked in, and makes the returned tensors.
+runs the backward graph; `zero_grad` and optimizer hooks break the frame), and it and
+AOTAutograd cost seconds in every process, a restart's included.  This mode therefore does what
+torch.tpu graphs do, without them: it runs the step eagerly twice (warm-up, which also creates
+the optimizer's state, on the device: optimizers whose state does not exist yet are made
+capturable, as Dynamo makes them for a compiled step), then captures one eager call as a
+torch.tpu graph (graphs.py) and from then on replays that executable: each call only binds the
+new arguments' storages, checks what the capture baked in, and makes the returned tensors.  A
+restart finds the executable in the persistent cache.  Dynamo compiles the step only when a
+call cannot replay (below).
 
 As with CUDA graphs under inductor's "reduce-overhead", Python in the step does not run at
 replay: Python numbers and control flow are those of the captured call.  What is checked at
-each call, falling back to the Dynamo-compiled step when it differs: the tensor arguments'
+each call, falling back to the Dynamo-compiled step (graph by graph) when it differs: the tensor arguments'
 layouts, the other arguments' values, grad mode, autocast, and the optimizers' Python hyperparameters
 (a Python-number lr that a scheduler changes runs the Dynamo path, which recompiles per value;
 a tpu tensor lr with capturable=True replays).  Parameters and optimizer state are read from
@@ -19,6 +23,7 @@ their storages at each replay, so in-place updates outside the step (a scheduler
 `copy_` into a parameter, load_state_dict) are seen; a parameter replaced by another tensor
 (`p.data = t`) is not.  Returned tensors the step creates are new at each call.
 """
+import contextlib
 import warnings
 
 import torch
@@ -26,9 +31,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._core import metrics, storage
 from .._execution import graphs
-from . import graph
+from . import backend, graph
 
-WARMUP = 2  # Dynamo-compiled calls before the capture: the first creates optimizer state
+WARMUP = 2  # eager calls before the capture: the first creates optimizer state
 
 
 class _Fallback(Exception):
@@ -40,7 +45,9 @@ class WholeStep:
 
     def __init__(self, compiled):
         self._compiled = compiled
-        self._seen = {}  # call key -> number of Dynamo-compiled calls
+        # What torch.compile wrapped: the module, or the function.
+        self._eager = getattr(compiled, "_orig_mod", None) or compiled._torchdynamo_orig_callable
+        self._seen = {}  # call key -> number of warm-up calls
         self._steps = {}  # call key -> _Captured, or None: runs the Dynamo path
 
     def __getattr__(self, name):  # the wrapped OptimizedModule's attributes
@@ -60,7 +67,8 @@ class WholeStep:
         if step is False:
             seen = self._seen[key] = self._seen.get(key, 0) + 1
             if seen <= WARMUP:
-                return self._compiled(*args, **kwargs)
+                with _capturable_optimizers():
+                    return self._eager(*args, **kwargs)
             step = self._steps[key] = self._capture(flat, args, kwargs)
         if step is not None:
             changed = step.graph._hyper_changed()
@@ -71,17 +79,38 @@ class WholeStep:
         return self._compiled(*args, **kwargs)
 
     def _capture(self, flat, args, kwargs):
-        g = graphs.TPUGraph()
-        try:
-            with graphs.graph(g):
-                out = self._compiled(*args, **kwargs)
-            step = _Captured(g, flat, out)
-        except (RuntimeError, _Fallback) as e:
-            warnings.warn(f"torchtpu: compiled step runs graph by graph (it cannot be captured "
-                          f"as one executable): {e}")
-            return None
-        metrics.counters["step_captures"] += 1
-        return step
+        # The eager step first; then the step as Dynamo compiles it, whose Python can differ
+        # where PyTorch branches on torch.compiler.is_compiling() (e.g. SGD with a tensor lr
+        # reads it on the host in eager, not in a compiled step).  A failed capture leaves
+        # every tensor as it was (graphs.graph), so the call runs again after it.
+        for fn in (self._eager, self._compiled):
+            g = graphs.TPUGraph()
+            try:
+                with graphs.graph(g):
+                    out = fn(*args, **kwargs)
+                step = _Captured(g, flat, out)
+            except (RuntimeError, _Fallback) as e:
+                error = e
+                continue
+            metrics.counters["step_captures"] += 1
+            return step
+        warnings.warn(f"torchtpu: compiled step runs graph by graph (it cannot be captured "
+                      f"as one executable): {error}")
+        return None
+
+
+@contextlib.contextmanager
+def _capturable_optimizers():
+    """Optimizers stepped meanwhile whose state does not exist yet keep it on the device
+    (capturable), as a compiled step's do (backend.mark_capturable): a host `step` counter
+    would be baked into the captured graph, which refuses such optimizers."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    hook = register_optimizer_step_pre_hook(
+        lambda optimizer, args, kwargs: backend.mark_capturable(optimizer))
+    try:
+        yield
+    finally:
+        hook.remove()
 
 
 def _call_key(flat, spec):

@@ -354,6 +354,28 @@ def _as_weak(v):
     return _convert_element_type(v, weak_type=True)
 
 
+def structure_key(signature, outputs, scalar_types, guarded):
+    """A recorded op sequence's key in the persistent cache (None: not storable): its ops' own
+    keys, their wiring, what it returns and which inputs it overwrites."""
+    ops = [(getattr(c.fn, "key", None), wiring, n) for c, wiring, n in signature]
+    if any(k is None for k, _, _ in ops):
+        return None
+    return executables.stable((ops, outputs, [t.__name__ for t in scalar_types], tuple(guarded)))
+
+
+def checks_info(signature):
+    """An Executable's `traced` hooks for a recorded op sequence: its ops' index-check messages,
+    learnt by tracing, are stored with the entry, and a loaded (untraced) one restores them."""
+    def save():
+        return [list(c.check_info) for c, _, _ in signature]
+
+    def restore(saved):
+        for (c, _, _), info in zip(signature, saved):
+            if not c.check_info:
+                c.check_info[:] = info
+    return save, restore
+
+
 class Segment:
     """One recorded op sequence (a fused segment or a compiled graph) and the rules for running
     it, the same for both: which inputs it may consume, one executable per pattern of donated
@@ -367,10 +389,7 @@ class Segment:
         self.executables = {}
         self.has_checks = None  # known once traced
         self.kind = kind
-        # For the persistent cache: its ops' own keys, their wiring, what it returns.
-        ops = [(getattr(c.fn, "key", None), wiring, n) for c, wiring, n in signature]
-        self.key = None if any(k is None for k, _, _ in ops) else executables.stable(
-            (ops, outputs, [t.__name__ for t in scalar_types], tuple(guarded)))
+        self.key = structure_key(*self.structure)
         names = [c.fn.name for c, _, _ in signature[:1] + signature[-1:] if hasattr(c.fn, "name")]
         self.name = f"segment of {len(signature)} ops ({' .. '.join(names)})"
         self.patterns = None  # donation patterns built, here or by earlier processes
@@ -438,7 +457,7 @@ class Segment:
             fn = executables.Executable(
                 segment_function(*self.structure, donate),
                 None if self.key is None else f"{self.key} donating {donate}", self.name,
-                traced=(self._checks_info, self._restore_checks_info),
+                traced=checks_info(self.structure[0]),
                 donate_argnums=(0,) if any(donate) else (), compiler_options=EAGER_ROUNDING)
             with donation_warnings_ignored():
                 fn.prepare(*_split(ext_arrays, donate), packed_scalars)
@@ -449,14 +468,6 @@ class Segment:
                 executables.remember("donations", self.key, sorted(self.patterns))
         return fn
 
-    def _checks_info(self):
-        return [list(c.check_info) for c, _, _ in self.structure[0]]
-
-    def _restore_checks_info(self, saved):
-        # A loaded segment was not traced: its ops learn their index-check messages from it.
-        for (c, _, _), info in zip(self.structure[0], saved):
-            if not c.check_info:
-                c.check_info[:] = info
 
     def run(self, ext_arrays, call, packed_scalars):
         """(results, checks): `checks`, the ops' device-side checks, are not read here: the

@@ -29,14 +29,13 @@ import contextlib
 import gc
 import time
 
-import jax
 import jax.numpy as jnp
 import torch
 
 from .._core import metrics, runtime
 from .._core.metrics import FlushReason
 from .._core.storage import Array, Pending
-from . import debug, fused, sync
+from . import debug, executables, fused, sync
 from .random import next_key_parts
 
 _capturing = None  # the TPUGraph being captured
@@ -149,11 +148,14 @@ class TPUGraph:
                 self._random.append(in_other.index(pos))
             pos += n
         self._structure = (self._signature, slots, types, guarded)
+        key = fused.structure_key(*self._structure)
+        # (A step function returns more than a segment's: its own key.)
+        self._key = None if key is None else f"torch.tpu graph of {len(self._inputs)} inputs: {key}"
         self._jits = {}
         self._splits = {}  # donation mask -> (donated positions, kept positions)
         mask = (True,) * len(self._written)
         donated, kept = self._split(tr.ext_arrays, mask)
-        self._jit(mask).lower(donated, kept, (arrays, other)).compile()  # warms the jit's cache
+        self._jit(mask).prepare(donated, kept, (arrays, other))  # built, or loaded from the store
         self._checks = [(i, j) for i, (c, _, _) in enumerate(self._signature)
                         for j in range(len(c.check_info))]
         self._captured = True
@@ -164,8 +166,11 @@ class TPUGraph:
     def _jit(self, mask):
         fn = self._jits.get(mask)
         if fn is None:
-            fn = self._jits[mask] = jax.jit(
+            fn = self._jits[mask] = executables.Executable(
                 _step_function(*self._structure, len(self._inputs), mask),
+                None if self._key is None else f"{self._key} donating {mask}",
+                f"torch.tpu graph of {len(self._signature)} ops",
+                traced=fused.checks_info(self._signature),
                 donate_argnums=(0,) if any(mask) else (), compiler_options=fused.EAGER_ROUNDING)
         return fn
 
@@ -268,7 +273,7 @@ class TPUGraph:
         arrays = [b.value() for b in self._inputs]
         mask = (False,) * len(self._written)
         donated, kept = self._split(arrays, mask)
-        text = self._jit(mask).lower(donated, kept, (self._packed_arrays, self._other)).as_text()
+        text = self._jit(mask).jitted.lower(donated, kept, (self._packed_arrays, self._other)).as_text()
         with open(debug_path, "w") as f:
             f.write(text)
 
