@@ -46,7 +46,9 @@ class WholeStep:
     def __init__(self, compiled):
         self._compiled = compiled
         # What torch.compile wrapped: the module, or the function.
-        self._eager = getattr(compiled, "_orig_mod", None) or compiled._torchdynamo_orig_callable
+        self._eager = getattr(compiled, "_orig_mod", None)
+        if self._eager is None:
+            self._eager = compiled._torchdynamo_orig_callable
         self._seen = {}  # call key -> number of warm-up calls
         self._steps = {}  # call key -> _Captured, or None: runs the Dynamo path
 

@@ -72,6 +72,11 @@ PATCHES = [
     Patch("torch.optim's global optimizer step pre hook",
           "SGD momentum buffers exist before the first step, which then compiles as every later one",
           "_execution/optimizer_state.install(), at import"),
+    Patch("torch.optim's global optimizer step pre hook",
+          "optimizers without state yet that a mode=\"reduce-overhead\" step warms up keep "
+          "their state on the device (capturable, as Dynamo makes a compiled step's), so the "
+          "step can be captured",
+          "_compile/step.py, registered for each eager warm-up call and removed after it"),
     Patch("`__dynamo_disable` of the functions torch._disable_dynamo wraps (PyTorch's Python "
           "references, meta kernels and decompositions)",
           "their first call imports Dynamo (1.3-2.2 s here) to disable it around them, and "
