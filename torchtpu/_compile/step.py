@@ -15,10 +15,10 @@ call cannot replay (below).
 
 As with CUDA graphs under inductor's "reduce-overhead", Python in the step does not run at
 replay: Python numbers and control flow are those of the captured call.  What is checked at
-each call, falling back to the Dynamo-compiled step (graph by graph) when it differs: the tensor arguments'
-layouts, the other arguments' values, grad mode, autocast, and the optimizers' Python hyperparameters
-(a Python-number lr that a scheduler changes runs the Dynamo path, which recompiles per value;
-a tpu tensor lr with capturable=True replays).  Parameters and optimizer state are read from
+each call, falling back to the Dynamo-compiled step (graph by graph) when it differs: the
+tensor arguments' layouts, the other arguments' values, grad mode, autocast, and the
+optimizers' Python hyperparameters (a Python-number lr that a scheduler changes runs the Dynamo
+path, which recompiles per value; a tpu tensor lr with capturable=True replays).  Parameters and optimizer state are read from
 their storages at each replay, so in-place updates outside the step (a scheduler's lr.fill_,
 `copy_` into a parameter, load_state_dict) are seen; a parameter replaced by another tensor
 (`p.data = t`) is not.  Returned tensors the step creates are new at each call.

@@ -468,7 +468,6 @@ class Segment:
                 executables.remember("donations", self.key, sorted(self.patterns))
         return fn
 
-
     def run(self, ext_arrays, call, packed_scalars):
         """(results, checks): `checks`, the ops' device-side checks, are not read here: the
         caller queues them with sync.defer and `check_error`."""
