@@ -51,6 +51,19 @@ def test_accelerator_reports_tpu():
     assert torch.accelerator.current_accelerator().type == "tpu"
 
 
+def test_accelerator_memory_functions_answer_for_tpu():
+    # PyTorch's ask a C++ caching allocator a Python backend cannot register (an internal
+    # assert); accelerate >= 1.16 calls torch.accelerator.empty_cache() in Trainer.train().
+    torch.accelerator.empty_cache()
+    torch.accelerator.memory.empty_cache()
+    x = torch.ones(1000, device="tpu")
+    assert torch.accelerator.memory_allocated() == torch.tpu.memory_allocated() >= x.nbytes
+    assert torch.accelerator.max_memory_allocated() == torch.tpu.max_memory_allocated()
+    assert dict(torch.accelerator.memory_stats()) == torch.tpu.memory_stats()
+    torch.accelerator.reset_peak_memory_stats()
+    assert torch.accelerator.max_memory_allocated() == torch.tpu.memory_allocated()
+
+
 def test_device_properties_and_names():
     props = torch.tpu.get_device_properties(0)
     assert props.platform in ("cpu", "gpu", "tpu")

@@ -4,7 +4,10 @@ PyTorch's guard for Python backends always answers "device 0" (`getDevice()` is 
 torch/csrc/acc), so `tensor.to("tpu")` and `torch.accelerator.current_device_index()` would
 ignore `torch.tpu.set_device`. One process per device with `set_device(local_rank)` — the usual
 torchrun layout — needs both, so they are answered here from torch.tpu's own current device.
+torch.accelerator's memory functions are answered from torch.tpu's counters too (below).
 """
+import collections
+
 import torch
 
 from .._core import runtime
@@ -48,3 +51,25 @@ def set_device_index(device, /):
 
 
 tensor_to.__doc__ = _tensor_to.__doc__
+
+
+def accelerator_memory(original, name):
+    """`torch.accelerator.<name>` (empty_cache, memory_stats, reset_peak_memory_stats) that
+    answers for tpu from `torch.tpu`'s counters: PyTorch's asks the device's C++ caching
+    allocator, which a Python backend cannot register, and fails an internal assert
+    (accelerate >= 1.16 calls torch.accelerator.empty_cache() for devices it does not know)."""
+    if name == "memory_stats":
+        def ours(device_index=None, /):
+            return collections.OrderedDict(sorted(torch.tpu.memory_stats(device_index).items()))
+    elif name == "empty_cache":
+        def ours():
+            torch.tpu.empty_cache()
+    else:
+        ours = getattr(torch.tpu, name)
+
+    def accelerator_fn(*args):
+        if torch._C._accelerator_getAccelerator() == torch.device("tpu"):
+            return ours(*args)
+        return original(*args)
+    accelerator_fn.__doc__ = original.__doc__
+    return accelerator_fn

@@ -37,6 +37,11 @@ PATCHES = [
     Patch("torch.Tensor.to", "an index-less 'tpu' means the current device: " + _SET_DEVICE),
     Patch("torch.accelerator.current_device_index, current_device_idx", _SET_DEVICE),
     Patch("torch.accelerator.set_device_index, set_device_idx", _SET_DEVICE),
+    Patch("torch.accelerator.empty_cache, memory_stats, reset_peak_memory_stats (and "
+          "torch.accelerator.memory's, which memory_allocated and the others read)",
+          "PyTorch's ask the device's C++ caching allocator, which a Python backend cannot "
+          "register (an internal assert fails); accelerate >= 1.16 calls "
+          "torch.accelerator.empty_cache() in Trainer.train() for devices it does not know"),
     Patch("torch.UntypedStorage.resize_",
           "PyTorch resizes a PrivateUse1 storage through a C++ hook Python cannot provide; "
           "FSDP2 frees and re-creates parameters with resize_(0) / resize_(n)"),
@@ -110,6 +115,10 @@ def install():
         _replace(acc, name, current.current_device_index)
     for name in ("set_device_index", "set_device_idx"):
         _replace(acc, name, current.set_device_index)
+    for name in ("empty_cache", "memory_stats", "reset_peak_memory_stats"):
+        fn = current.accelerator_memory(getattr(acc.memory, name), name)
+        _replace(acc.memory, name, fn)
+        _replace(acc, name, fn)
     _replace(torch.UntypedStorage, "resize_", storage.resize_storage)
     _replace(torch, "compile", backend.skipping_own_frames(step.whole_step(torch.compile)))
     wrapper = torch._TorchCompileInductorWrapper
