@@ -62,6 +62,18 @@ def test_accelerator_memory_functions_answer_for_tpu():
     assert dict(torch.accelerator.memory_stats()) == torch.tpu.memory_stats()
     torch.accelerator.reset_peak_memory_stats()
     assert torch.accelerator.max_memory_allocated() == torch.tpu.memory_allocated()
+    live = torch.accelerator.memory_stats()["allocation.all.current"]
+    torch.accelerator.reset_accumulated_memory_stats()
+    stats = torch.accelerator.memory_stats()
+    assert stats["allocation.all.allocated"] == stats["allocation.all.freed"] == 0
+    assert stats["allocation.all.current"] == live
+    y = torch.ones(10, device="tpu")
+    del y
+    stats = torch.accelerator.memory_stats()
+    assert stats["allocation.all.allocated"] == stats["allocation.all.freed"] == 1
+    assert stats["allocation.all.current"] == live
+    free, total = torch.accelerator.get_memory_info()
+    assert total == torch.tpu.mem_get_info()[1] and 0 < free <= total  # free memory moves
 
 
 def test_device_properties_and_names():

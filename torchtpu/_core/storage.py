@@ -36,10 +36,11 @@ def _reserve_address(nbytes):
 
 
 class MemoryStats:
-    __slots__ = ("allocated", "peak", "num_alloc", "num_free")
+    __slots__ = ("allocated", "peak", "num_alloc", "num_free", "live_at_reset")
 
     def __init__(self):
         self.allocated = self.peak = self.num_alloc = self.num_free = 0
+        self.live_at_reset = 0  # storages alive when the counts were last zeroed
 
 
 _stats = {}

@@ -35,8 +35,12 @@ def tensor_to(self, *args, **kwargs):
     return _tensor_to(self, *args, **kwargs)
 
 
+def _accelerator_is_tpu():
+    return torch._C._accelerator_getAccelerator() == torch.device("tpu")
+
+
 def current_device_index():
-    if torch._C._accelerator_getAccelerator() == torch.device("tpu"):
+    if _accelerator_is_tpu():
         return runtime.current_device()
     return torch._C._accelerator_getDeviceIndex()
 
@@ -45,7 +49,7 @@ _set_device_index = torch.accelerator.set_device_index
 
 
 def set_device_index(device, /):
-    if torch._C._accelerator_getAccelerator() == torch.device("tpu"):
+    if _accelerator_is_tpu():
         return torch.tpu.set_device(device)
     return _set_device_index(device)
 
@@ -54,21 +58,20 @@ tensor_to.__doc__ = _tensor_to.__doc__
 
 
 def accelerator_memory(original, name):
-    """`torch.accelerator.<name>` (empty_cache, memory_stats, reset_peak_memory_stats) that
+    """`torch.accelerator.<name>` (empty_cache, memory_stats, the resets, get_memory_info) that
     answers for tpu from `torch.tpu`'s counters: PyTorch's asks the device's C++ caching
     allocator, which a Python backend cannot register, and fails an internal assert
     (accelerate >= 1.16 calls torch.accelerator.empty_cache() for devices it does not know)."""
-    if name == "memory_stats":
+    if name == "memory_stats":  # PyTorch's is an OrderedDict sorted by key
         def ours(device_index=None, /):
             return collections.OrderedDict(sorted(torch.tpu.memory_stats(device_index).items()))
-    elif name == "empty_cache":
-        def ours():
-            torch.tpu.empty_cache()
+    elif name == "get_memory_info":
+        ours = torch.tpu.mem_get_info
     else:
         ours = getattr(torch.tpu, name)
 
     def accelerator_fn(*args):
-        if torch._C._accelerator_getAccelerator() == torch.device("tpu"):
+        if _accelerator_is_tpu():
             return ours(*args)
         return original(*args)
     accelerator_fn.__doc__ = original.__doc__

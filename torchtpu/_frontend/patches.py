@@ -37,7 +37,8 @@ PATCHES = [
     Patch("torch.Tensor.to", "an index-less 'tpu' means the current device: " + _SET_DEVICE),
     Patch("torch.accelerator.current_device_index, current_device_idx", _SET_DEVICE),
     Patch("torch.accelerator.set_device_index, set_device_idx", _SET_DEVICE),
-    Patch("torch.accelerator.empty_cache, memory_stats, reset_peak_memory_stats (and "
+    Patch("torch.accelerator.empty_cache, memory_stats, reset_peak_memory_stats, "
+          "reset_accumulated_memory_stats, get_memory_info (and "
           "torch.accelerator.memory's, which memory_allocated and the others read)",
           "PyTorch's ask the device's C++ caching allocator, which a Python backend cannot "
           "register (an internal assert fails); accelerate >= 1.16 calls "
@@ -115,7 +116,8 @@ def install():
         _replace(acc, name, current.current_device_index)
     for name in ("set_device_index", "set_device_idx"):
         _replace(acc, name, current.set_device_index)
-    for name in ("empty_cache", "memory_stats", "reset_peak_memory_stats"):
+    for name in ("empty_cache", "memory_stats", "reset_peak_memory_stats",
+                 "reset_accumulated_memory_stats", "get_memory_info"):
         fn = current.accelerator_memory(getattr(acc.memory, name), name)
         _replace(acc.memory, name, fn)
         _replace(acc, name, fn)

@@ -1,6 +1,7 @@
 """The device module PyTorch installs as `torch.tpu` (the analogue of `torch.cuda`)."""
 import contextlib
 import enum
+import os
 import sys
 import types
 
@@ -166,6 +167,24 @@ def reset_max_memory_allocated(device=None):
     reset_peak_memory_stats(device)
 
 
+def reset_accumulated_memory_stats(device=None):
+    """Zero the allocation and free counts, as `torch.cuda`'s does (current bytes stay)."""
+    s = storage.memory_stats_for(_index(device))
+    s.live_at_reset += s.num_alloc - s.num_free
+    s.num_alloc = s.num_free = 0
+
+
+def mem_get_info(device=None):
+    """(free, total) bytes of the device: PJRT's allocator limit where it reports one (TPU,
+    GPU); the host's physical memory for the CPU platform, which reports none."""
+    stats = _jax_memory_stats(runtime.jax_device(_index(device)))
+    if "bytes_limit" in stats:
+        total = int(stats["bytes_limit"])
+        return total - int(stats.get("bytes_in_use", 0)), total
+    page = os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
 def memory_reserved(device=None):
     return int(_jax_memory_stats(runtime.jax_device(_index(device))).get("bytes_reserved", memory_allocated(device)))
 
@@ -178,7 +197,7 @@ def memory_stats(device=None):
         "allocated_bytes.all.peak": s.peak,
         "allocation.all.allocated": s.num_alloc,
         "allocation.all.freed": s.num_free,
-        "allocation.all.current": s.num_alloc - s.num_free,
+        "allocation.all.current": s.live_at_reset + s.num_alloc - s.num_free,
     }
     for k, v in _jax_memory_stats(runtime.jax_device(index)).items():
         out[f"pjrt.{k}"] = v
