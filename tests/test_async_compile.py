@@ -179,3 +179,25 @@ def test_with_no_workers_new_ops_run_at_their_call():
     x = torch.randn(3, 61)
     assert_same(_chain(x.to("tpu")), _chain(x))
     assert counts("ops_queued_for_compile")[0] == queued
+
+
+def test_a_capture_reads_queued_values_without_waiting_and_restores_them():
+    # A compiled step (mode="reduce-overhead") captures right after its warm-up call, whose
+    # ops may still be queued behind their compiles: the capture describes those values
+    # instead of running them, leaves them as they were, and its replay reads them.
+    from torchtpu._core import storage
+    from torchtpu._execution import graphs
+    x = torch.randn(7, 41)
+    w = x.to("tpu") * 3  # queued: a new executable
+    assert async_compile.queued(storage.buffer_of(w)._array)
+    g = torch.tpu.TPUGraph()
+    with graphs.graph(g, _wait=False):
+        out = (w + 1).exp()
+        w.mul_(2)
+    assert async_compile._queue.ops  # the capture ran nothing that was queued
+    assert torch.equal(w.cpu(), x * 3)  # as before the capture
+    g.replay()
+    assert_same(out, (x * 3 + 1).exp())
+    assert_same(w, x * 6)
+    g.replay()
+    assert_same(w, x * 12)

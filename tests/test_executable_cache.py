@@ -39,7 +39,7 @@ def step():
     return loss
 if mode == "compiled":
     step = torch.compile(step, backend="tpu")
-if mode == "onestep":  # two eager warm-up steps, then the step captured and replayed
+if mode == "onestep":  # an eager warm-up step, then the step captured and replayed
     step = torch.compile(step, backend="tpu", mode="reduce-overhead")
 losses = [step().detach() for _ in range(3)]
 np.save(out, np.concatenate([t.detach().cpu().numpy().ravel() for t in losses + list(m.parameters())]))

@@ -5,13 +5,16 @@ between its graphs.
 Dynamo splits such a step into several graphs with Python between them (the autograd engine
 runs the backward graph; `zero_grad` and optimizer hooks break the frame), and it and
 AOTAutograd cost seconds in every process, a restart's included.  This mode therefore does what
-torch.tpu graphs do, without them: it runs the step eagerly twice (warm-up, which also creates
-the optimizer's state, on the device: optimizers whose state does not exist yet are made
-capturable, as Dynamo makes them for a compiled step), then captures one eager call as a
-torch.tpu graph (graphs.py) and from then on replays that executable: each call only binds the
-new arguments' storages, checks what the capture baked in, and makes the returned tensors.  A
-restart finds the executable in the persistent cache.  Dynamo compiles the step only when a
-call cannot replay (below).
+torch.tpu graphs do, without them: the first call runs eagerly (warm-up, which also creates the
+optimizer's state, on the device: optimizers whose state does not exist yet are made
+capturable, as Dynamo makes them for a compiled step; inductor's CUDA graphs also warm up
+once), and the same call then captures the step, run eagerly again, as a torch.tpu graph
+(graphs.py), without waiting for the warm-up's ops: the step's executable compiles on the
+compile pool beside the warm-up's own compiles.  From the second call on it replays that
+executable: each call only binds the new arguments' storages, checks what the capture baked
+in, and makes the returned tensors.  A restart finds the executable in the persistent cache.
+Dynamo compiles the step only when a call cannot replay (below).  The step's Python so runs
+twice in the first call and not after it.
 
 As with CUDA graphs under inductor's "reduce-overhead", Python in the step does not run at
 replay: Python numbers and control flow are those of the captured call.  What is checked at
@@ -33,8 +36,6 @@ from .._core import metrics, storage
 from .._execution import graphs
 from . import backend, graph
 
-WARMUP = 2  # eager calls before the capture: the first creates optimizer state
-
 
 class _Fallback(Exception):
     pass
@@ -49,7 +50,6 @@ class WholeStep:
         self._eager = getattr(compiled, "_orig_mod", None)
         if self._eager is None:
             self._eager = compiled._torchdynamo_orig_callable
-        self._seen = {}  # call key -> number of warm-up calls
         self._steps = {}  # call key -> _Captured, or None: runs the Dynamo path
 
     def __getattr__(self, name):  # the wrapped OptimizedModule's attributes
@@ -66,12 +66,11 @@ class WholeStep:
         except TypeError:  # an unhashable argument: nothing to compare a capture against
             return self._compiled(*args, **kwargs)
         step = self._steps.get(key, False)
-        if step is False:
-            seen = self._seen[key] = self._seen.get(key, 0) + 1
-            if seen <= WARMUP:
-                with _capturable_optimizers():
-                    return self._eager(*args, **kwargs)
-            step = self._steps[key] = self._capture(flat, args, kwargs)
+        if step is False:  # warm up, then capture
+            with _capturable_optimizers():
+                out = self._eager(*args, **kwargs)
+            self._steps[key] = self._capture(flat, args, kwargs)
+            return out
         if step is not None:
             changed = step.graph._hyper_changed()
             if changed is None:
@@ -84,11 +83,13 @@ class WholeStep:
         # The eager step first; then the step as Dynamo compiles it, whose Python can differ
         # where PyTorch branches on torch.compiler.is_compiling() (e.g. SGD with a tensor lr
         # reads it on the host in eager, not in a compiled step).  A failed capture leaves
-        # every tensor as it was (graphs.graph), so the call runs again after it.
+        # every tensor as it was (graphs.graph).  The capture does not wait for the warm-up
+        # call's ops, and the executable compiles on the pool: the warm-up's own compiles,
+        # the capture's and its compile overlap, and the next call's replay waits for it.
         for fn in (self._eager, self._compiled):
             g = graphs.TPUGraph()
             try:
-                with graphs.graph(g):
+                with graphs.graph(g, _wait=False):
                     out = fn(*args, **kwargs)
                 step = _Captured(g, flat, out)
             except (RuntimeError, _Fallback) as e:

@@ -47,6 +47,7 @@ _workers = _workers_from_environment()
 _SUPPORTED = (hasattr(jax, "typeof") and hasattr(jax.stages.Traced, "out_info")
               and hasattr(jax.stages.Traced, "in_avals") and hasattr(jax.stages.Compiled, "in_avals"))
 _pool = None
+_ahead_pool = None  # one thread for prebuild(ahead=True)
 # The queue may hold this many ops; the values they read stay alive until it runs.
 max_ops = 1024
 _lock = threading.RLock()
@@ -106,11 +107,15 @@ def _get_pool():
     return _pool
 
 
-def prebuild(executable, args):
+def prebuild(executable, args, ahead=False):
     """Build `executable` for `args` ahead of its first use: on the pool when there is one
-    (the caller goes on at once), else now."""
+    (the caller goes on at once), else now.  `ahead`: on a thread of its own, beside the
+    pool's queue rather than behind it."""
+    global _ahead_pool
     if enabled():
-        executable.start(args, _get_pool())
+        if ahead and _ahead_pool is None:
+            _ahead_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torchtpu-compile-ahead")
+        executable.start(args, _ahead_pool if ahead else _get_pool())
     else:
         executable.prepare(*args)
 
@@ -153,8 +158,8 @@ def run(kernel, compiled, vals, buffers, scalars, device):
             return kernel.finish(compiled, vals, fn(*[b.value() for b in buffers], *scalars),
                                  buffers, device)
         if waiting:
-            abstract = [_abstract(a, b) if type(a) is Pending else a for a, b in zip(inputs, buffers)]
-            executable = fn.start(abstract + list(scalars), _get_pool())
+            described = [abstract(a, b) if type(a) is Pending else a for a, b in zip(inputs, buffers)]
+            executable = fn.start(described + list(scalars), _get_pool())
         else:
             executable = fn.start(args, _get_pool())
             if not isinstance(executable, concurrent.futures.Future):
@@ -174,7 +179,7 @@ def queued_shape(a):
     return None if aval is None else aval[0]
 
 
-def _abstract(pending, buf):
+def abstract(pending, buf):
     """The array a queued op will give `buf`, as its executable described it."""
     shape, dtype, weak_type = _queue.avals[pending.slot]
     return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak_type,

@@ -29,7 +29,7 @@ import torch
 
 from .._core import storage
 from .._core.storage import Failed, Pending
-from . import bounded, debug, executables, modes, sync
+from . import async_compile, bounded, debug, executables, modes, sync
 from .._core import metrics
 from .._core.metrics import FlushReason
 
@@ -42,7 +42,7 @@ EAGER_ROUNDING = {"xla_allow_excess_precision": False}
 
 class _Trace:
     __slots__ = ("device", "signature", "where", "ext_arrays", "ext_ids", "scalars", "pendings",
-                 "captured", "in_backward", "ran_backward", "ext_buffers")
+                 "captured", "in_backward", "ran_backward", "ext_buffers", "ext_queued")
 
     def __init__(self, device):
         self.device = device
@@ -58,6 +58,9 @@ class _Trace:
         # torch.tpu graphs: per external array, the storage it was read from (replay reads the
         # storage's value then); inputs are told apart by storage, not by array.
         self.ext_buffers = None
+        # torch.tpu graphs: external index -> the value a strict op still queued behind its
+        # compile will give that storage (async_compile); its ext_arrays entry describes it.
+        self.ext_queued = None
 
     def flush(self, reason):
         """Run the pending trace: a `Pending` value of this trace is being read."""
@@ -104,14 +107,21 @@ def _record(kernel, compiled, vals, buffers, scalars, device):
         if type(a) is Pending and a.trace is tr:
             wiring.append(a.slot)
             continue
-        a = b.value()
-        ident = id(a) if tr.ext_buffers is None else id(b)
+        if tr.ext_buffers is None:
+            a = b.value()
+            ident = id(a)
+        else:  # a capture reads storages at replay: a value still to come need not wait
+            ident = id(b)
+            queued = async_compile.queued(a)
+            a = async_compile.abstract(a, b) if queued else b.value()
         k = tr.ext_ids.get(ident)
         if k is None:
             k = tr.ext_ids[ident] = len(tr.ext_arrays)
             tr.ext_arrays.append(a)
             if tr.ext_buffers is not None:
                 tr.ext_buffers.append(b)
+                if queued:
+                    tr.ext_queued[k] = b._array
         wiring.append(-1 - k)
     tr.signature.append((compiled.program, tuple(wiring), len(scalars)))
     tr.where.append((kernel, debug.user_frame(3)))
@@ -175,6 +185,7 @@ def start_capture(device, by_storage=False):
     tr.captured = True
     if by_storage:
         tr.ext_buffers = []
+        tr.ext_queued = {}
     return tr, previous
 
 

@@ -35,7 +35,7 @@ import torch
 from .._core import metrics, runtime
 from .._core.metrics import FlushReason
 from .._core.storage import Array, Pending
-from . import debug, executables, fused, sync
+from . import async_compile, debug, executables, fused, sync
 from .random import next_key_parts
 
 _capturing = None  # the TPUGraph being captured
@@ -155,7 +155,9 @@ class TPUGraph:
         self._splits = {}  # donation mask -> (donated positions, kept positions)
         mask = (True,) * len(self._written)
         donated, kept = self._split(tr.ext_arrays, mask)
-        self._jit(mask).prepare(donated, kept, (arrays, other))  # built, or loaded from the store
+        # Loaded from the store, or compiled on the pool while the host goes on (the first
+        # replay waits for it); traced here, so that what the lowering refuses raises here.
+        async_compile.prebuild(self._jit(mask), (donated, kept, (arrays, other)), ahead=True)
         self._checks = [(i, j) for i, (c, _, _) in enumerate(self._signature)
                         for j in range(len(c.check_info))]
         self._captured = True
@@ -284,7 +286,7 @@ def _release(tr):
     for k, b in enumerate(tr.ext_buffers):
         a = b._array
         if type(a) is Pending and a.trace is tr:
-            b._array = tr.ext_arrays[k]
+            b._array = tr.ext_queued.get(k, tr.ext_arrays[k])
     for p in tr.pendings:
         owner = p.owner()
         if owner is not None and owner._array is p:
@@ -293,6 +295,7 @@ def _release(tr):
     tr.ext_ids.clear()
     tr.pendings.clear()
     tr.ext_buffers = []
+    tr.ext_queued = {}
 
 
 def _step_function(signature, slots, scalar_types, guarded, n_inputs, mask):
@@ -354,13 +357,18 @@ class graph:
 
     default_capture_stream = None
 
-    def __init__(self, tpu_graph, pool=None, stream=None, capture_error_mode="global"):
+    def __init__(self, tpu_graph, pool=None, stream=None, capture_error_mode="global",
+                 _wait=True):
         self.tpu_graph = tpu_graph
         self.pool = pool
         self.capture_error_mode = capture_error_mode
+        # (private) False: values strict ops are still compiling are read as values to come
+        # (a compiled step captures right after its warm-up call, step.py).
+        self._wait = _wait
 
     def __enter__(self):
-        torch.tpu.synchronize()
+        if self._wait:
+            torch.tpu.synchronize()
         gc.collect()  # as torch.cuda.graph: unreachable tensors do not become graph outputs
         self.tpu_graph.capture_begin(self.pool, self.capture_error_mode)
 
