@@ -76,6 +76,19 @@ def test_accelerator_memory_functions_answer_for_tpu():
     assert total == torch.tpu.mem_get_info()[1] and 0 < free <= total  # free memory moves
 
 
+def test_mem_get_info_where_the_host_reports_no_free_memory(monkeypatch):
+    # macOS has no SC_AVPHYS_PAGES: free is then what tpu storages do not hold of the host's.
+    import os
+    if torch.tpu.get_device_properties(0).platform != "cpu":
+        pytest.skip("the host's memory is the device's only on the CPU platform")
+    names = {k: v for k, v in os.sysconf_names.items() if k != "SC_AVPHYS_PAGES"}
+    monkeypatch.setattr(os, "sysconf_names", names)
+    x = torch.ones(1000, device="tpu")
+    free, total = torch.tpu.mem_get_info()
+    assert total == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert free == total - torch.tpu.memory_allocated() and free <= total - x.nbytes
+
+
 def test_device_properties_and_names():
     props = torch.tpu.get_device_properties(0)
     assert props.platform in ("cpu", "gpu", "tpu")

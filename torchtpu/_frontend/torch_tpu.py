@@ -176,13 +176,17 @@ def reset_accumulated_memory_stats(device=None):
 
 def mem_get_info(device=None):
     """(free, total) bytes of the device: PJRT's allocator limit where it reports one (TPU,
-    GPU); the host's physical memory for the CPU platform, which reports none."""
+    GPU); the host's physical memory for the CPU platform, which reports none (free: what the
+    host has available; on macOS, which does not say, what tpu storages do not hold)."""
     stats = _jax_memory_stats(runtime.jax_device(_index(device)))
     if "bytes_limit" in stats:
         total = int(stats["bytes_limit"])
         return total - int(stats.get("bytes_in_use", 0)), total
     page = os.sysconf("SC_PAGE_SIZE")
-    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+    total = os.sysconf("SC_PHYS_PAGES") * page
+    if "SC_AVPHYS_PAGES" in os.sysconf_names:
+        return os.sysconf("SC_AVPHYS_PAGES") * page, total
+    return total - memory_allocated(device), total
 
 
 def memory_reserved(device=None):
