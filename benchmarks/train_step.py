@@ -13,7 +13,8 @@ with it, torch.compile (inductor) of the same step on the CPU is measured too.
 "graph" captures the step once into a torch.tpu graph (AdamW with capturable=True, after two
 eager warm-up steps) and times `g.replay()`.
 "onestep" is torch.compile(step, backend="tpu", mode="reduce-overhead"): the whole compiled
-step (AdamW as given, no capturable flag) replayed as one executable after one warm-up call.
+step (AdamW as given, no capturable flag) replayed as one executable, captured in the first
+call after an eager warm-up of it.
 Per mode it prints the host's time per step (dispatch, before waiting for the device), and the
 compilations and blocking waits of the host in one steady step (no .item() in it). For graph
 replay and the one-executable compiled step it also prints the host time beyond that of the

@@ -13,9 +13,9 @@ the first one's persistent cache (JAX's own persistent cache for the JAX step). 
 ratios to JAX's time, with the executables each mode built at steps 2 and later (should be 0).
 In compiled mode, Dynamo's and AOTAutograd's share of the first step
 (`torch._dynamo.utils.compile_times()`) is printed too: it is paid again on every restart.
-"onestep" is `torch.compile(step, backend="tpu", mode="reduce-overhead")`: one eager warm-up
-step (as inductor's CUDA graphs warm up once), then the step captured and replayed as one
-executable (built at step 2, when it is captured).
+"onestep" is `torch.compile(step, backend="tpu", mode="reduce-overhead")`: its first call runs
+the step eagerly (warm-up, as inductor's CUDA graphs warm up once) and captures it; its
+executable is built in that call, beside the warm-up's, and replayed from the second call on.
 
 Parallel compilation: strict eager's cold first steps with TORCHTPU_COMPILE_WORKERS = 0 (XLA
 compiles on the calling thread), 1 and 2 (a pool compiles while the host dispatches on).

@@ -21,10 +21,10 @@ replay: Python numbers and control flow are those of the captured call.  What is
 each call, falling back to the Dynamo-compiled step (graph by graph) when it differs: the
 tensor arguments' layouts, the other arguments' values, grad mode, autocast, and the
 optimizers' Python hyperparameters (a Python-number lr that a scheduler changes runs the Dynamo
-path, which recompiles per value; a tpu tensor lr with capturable=True replays).  Parameters and optimizer state are read from
-their storages at each replay, so in-place updates outside the step (a scheduler's lr.fill_,
-`copy_` into a parameter, load_state_dict) are seen; a parameter replaced by another tensor
-(`p.data = t`) is not.  Returned tensors the step creates are new at each call.
+path, which recompiles per value; a tpu tensor lr with capturable=True replays).  Parameters
+and optimizer state are read from their storages at each replay, so in-place updates outside
+the step (a scheduler's lr.fill_, `copy_` into a parameter, load_state_dict) are seen; a
+parameter replaced by another tensor (`p.data = t`) is not.  Returned tensors the step creates are new at each call.
 """
 import contextlib
 import warnings
