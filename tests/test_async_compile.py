@@ -186,12 +186,12 @@ def test_a_capture_reads_queued_values_without_waiting_and_restores_them():
     # ops may still be queued behind their compiles: the capture describes those values
     # instead of running them, leaves them as they were, and its replay reads them.
     from torchtpu._core import storage
-    from torchtpu._execution import graphs
+    from torchtpu._execution import tpu_graphs
     x = torch.randn(7, 41)
     w = x.to("tpu") * 3  # queued: a new executable
     assert async_compile.queued(storage.buffer_of(w)._array)
     g = torch.tpu.TPUGraph()
-    with graphs.graph(g, _wait=False):
+    with tpu_graphs.graph(g, _wait=False):
         out = (w + 1).exp()
         w.mul_(2)
     assert async_compile._queue.ops  # the capture ran nothing that was queued

@@ -29,9 +29,9 @@ def _install_kernels():
     autocast.register(lib, fallback_lib)
     patches.install()
     fused.install()
-    from ._execution import graphs, optimizer_state
+    from ._execution import optimizer_state, tpu_graphs
     optimizer_state.install()
-    graphs.install()
+    tpu_graphs.install()
     from ._compile import cache
     cache.enable()
     from . import _distributed

@@ -1,12 +1,12 @@
 """`torch.compile(backend="tpu")`: Dynamo graphs through AOTAutograd (forward and backward
-graphs in core ATen after decompositions), each compiled by graph.CompiledGraph."""
+graphs in core ATen after decompositions), each compiled by fx_graph.CompiledGraph."""
 import functools
 import itertools
 import warnings
 
 import torch
 
-from . import graph
+from . import fx_graph
 
 _graph_ids = itertools.count()
 _OPTIONS = {"cpu_fallback"}
@@ -27,8 +27,8 @@ def _decompositions():
 def _compiler(kind, options):
     def compile_graph(gm, example_inputs):
         name = f"{kind}_{next(_graph_ids)}"
-        missing = graph.unsupported_ops(gm)
-        compiled = graph.CompiledGraph(gm, name)
+        missing = fx_graph.unsupported_ops(gm)
+        compiled = fx_graph.CompiledGraph(gm, name)
         if missing:
             op, where = missing[0]
             if options.get("cpu_fallback", torch.tpu.enable_cpu_fallback):

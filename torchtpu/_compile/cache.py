@@ -1,7 +1,7 @@
 """The persistent compilation cache, on by default: a second process skips tracing, lowering
 and XLA compiles.
 
-Two kinds of entries share one private directory (`_core/store.py`: permissions, verified
+Two kinds of entries share one private directory (`_core/cache_store.py`: permissions, verified
 entries, atomic writes, the size bound, TORCHTPU_CACHE_DIR and TORCHTPU_CACHE_MAX_BYTES):
 - TorchTPU's own executables (per-op, fused segments, compiled graphs), keyed by what they are
   built from (`_execution/executables.py`), so a hit needs neither a trace nor a lowering;
@@ -15,7 +15,7 @@ import time
 import jax
 
 from .._core import metrics
-from .._core.store import (DEFAULT_MAX_BYTES, MIN_COMPILE_SECONDS, PrivateCache, directory,  # noqa: F401
+from .._core.cache_store import (DEFAULT_MAX_BYTES, MIN_COMPILE_SECONDS, PrivateCache, directory,  # noqa: F401
                            max_bytes, open_cache, private_directory, versions)
 from .._execution import executables
 

@@ -2,7 +2,7 @@
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import backend, graph
+from . import backend, fx_graph
 
 
 def export(model, args, kwargs=None):
@@ -15,11 +15,11 @@ def export(model, args, kwargs=None):
     kwargs = kwargs or {}
     program = torch.export.export(model, tuple(args), kwargs)
     module = program.run_decompositions(backend._decompositions()).module()
-    missing = graph.unsupported_ops(module)
+    missing = fx_graph.unsupported_ops(module)
     if missing:
         raise NotImplementedError(f"The operator '{missing[0][0]}' is not implemented for the tpu device")
     flat, spec = tree_flatten((tuple(args), kwargs))
-    key, buffers = graph.layout_key(flat)
+    key, buffers = fx_graph.layout_key(flat)
     if any(isinstance(k, tuple) and k and k[0] == "host" for k in key):
         raise ValueError("torchtpu.export needs its tensor arguments on the tpu device")
 
@@ -27,4 +27,4 @@ def export(model, args, kwargs=None):
         a, k = tree_unflatten(list(flat_args), spec)
         return module(*a, **k)
 
-    return graph.Captured(call, flat, buffers, "export").stablehlo(buffers)
+    return fx_graph.Captured(call, flat, buffers, "export").stablehlo(buffers)

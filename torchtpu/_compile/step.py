@@ -9,7 +9,7 @@ torch.tpu graphs do, without them: the first call runs eagerly (warm-up, which a
 optimizer's state, on the device: optimizers whose state does not exist yet are made
 capturable, as Dynamo makes them for a compiled step; inductor's CUDA graphs also warm up
 once), and the same call then captures the step, run eagerly again, as a torch.tpu graph
-(graphs.py), without waiting for the warm-up's ops: the step's executable compiles on the
+(tpu_graphs.py), without waiting for the warm-up's ops: the step's executable compiles on the
 compile pool beside the warm-up's own compiles.  From the second call on it replays that
 executable: each call only binds the new arguments' storages, checks what the capture baked
 in, and makes the returned tensors.  A restart finds the executable in the persistent cache.
@@ -33,8 +33,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._core import metrics, storage
-from .._execution import graphs
-from . import backend, graph
+from .._execution import tpu_graphs
+from . import backend, fx_graph
 
 
 class _Fallback(Exception):
@@ -83,13 +83,13 @@ class WholeStep:
         # The eager step first; then the step as Dynamo compiles it, whose Python can differ
         # where PyTorch branches on torch.compiler.is_compiling() (e.g. SGD with a tensor lr
         # reads it on the host in eager, not in a compiled step).  A failed capture leaves
-        # every tensor as it was (graphs.graph).  The capture does not wait for the warm-up
+        # every tensor as it was (tpu_graphs.graph).  The capture does not wait for the warm-up
         # call's ops, and the executable compiles on the pool: the warm-up's own compiles,
         # the capture's and its compile overlap, and the next call's replay waits for it.
         for fn in (self._eager, self._compiled):
-            g = graphs.TPUGraph()
+            g = tpu_graphs.TPUGraph()
             try:
-                with graphs.graph(g, _wait=False):
+                with tpu_graphs.graph(g, _wait=False):
                     out = fn(*args, **kwargs)
                 step = _Captured(g, flat, out)
             except (RuntimeError, _Fallback) as e:
@@ -121,7 +121,7 @@ def _call_key(flat, spec):
            torch.get_autocast_dtype("tpu")]
     for a in flat:
         if isinstance(a, torch.Tensor):
-            key.append(graph.layout_key([a])[0] + (a.requires_grad,))
+            key.append(fx_graph.layout_key([a])[0] + (a.requires_grad,))
         else:
             key.append((type(a), a))
     return tuple(key)
@@ -137,7 +137,7 @@ class _Captured:
         self.arguments = []  # (graph input index, position in the flat arguments)
         for i, a in enumerate(flat):
             if isinstance(a, torch.Tensor):
-                k = position.get(id(graph._buffer(a)))
+                k = position.get(id(fx_graph._buffer(a)))
                 if k in written:
                     raise _Fallback("it writes into one of its tensor arguments")
                 if k is not None:
@@ -150,7 +150,7 @@ class _Captured:
             raise _Fallback("it returns tensors that require grad and runs no backward pass")
         self.outputs = []  # per returned leaf: ("new", tensor) | ("arg", i) | ("same", value)
         for o in outs:
-            if isinstance(o, torch.Tensor) and id(graph._buffer(o)) in created:
+            if isinstance(o, torch.Tensor) and id(fx_graph._buffer(o)) in created:
                 self.outputs.append(("new", o))
             elif isinstance(o, torch.Tensor) and id(o) in self.args:
                 self.outputs.append(("arg", self.args[id(o)]))
@@ -158,12 +158,12 @@ class _Captured:
                 self.outputs.append(("same", o))
 
     def replay(self, flat):
-        inputs = {k: graph._buffer(flat[i]) for k, i in self.arguments}
+        inputs = {k: fx_graph._buffer(flat[i]) for k, i in self.arguments}
         self.graph.replay(inputs, checked=True)  # WholeStep.__call__ compared the hyperparameters
         outs = []
         for kind, v in self.outputs:
             if kind == "new":  # a new tensor on the array the replay just wrote
-                buf = graph._buffer(v)
+                buf = fx_graph._buffer(v)
                 t = storage.wrap(buf._array, list(v.shape), list(v.stride()), v.dtype,
                                  buf.index, buf.nbytes, v.storage_offset())
                 outs.append(t)

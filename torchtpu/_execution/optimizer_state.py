@@ -16,7 +16,7 @@ from . import fused
 
 
 def _momentum_buffers(optimizer, args, kwargs):
-    # While a torch.tpu graph captures, state created by the step is refused (graphs.py):
+    # While a torch.tpu graph captures, state created by the step is refused (tpu_graphs.py):
     # PyTorch's own first step runs, so that the refusal names it.
     if not isinstance(optimizer, torch.optim.SGD) or fused.capturing():
         return

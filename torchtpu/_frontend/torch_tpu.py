@@ -255,7 +255,7 @@ from .streams import Event, Stream, current_stream, default_stream, set_stream, 
 
 # --- graphs -------------------------------------------------------------------------------
 
-from .._execution.graphs import (TPUGraph, graph, graph_pool_handle,  # noqa: E402,F401
+from .._execution.tpu_graphs import (TPUGraph, graph, graph_pool_handle,  # noqa: E402,F401
                                  is_current_stream_capturing, make_graphed_callables)
 
 # --- execution modes -----------------------------------------------------------------------

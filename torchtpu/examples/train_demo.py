@@ -1,6 +1,6 @@
 """The main job: a short training run on the `tpu` device, printing loss and steps/s.
 
-    python examples/train_demo.py [--steps 50]
+    python -m torchtpu.examples.train_demo [--steps 50]
 """
 import argparse
 import time
