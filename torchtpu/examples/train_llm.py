@@ -16,9 +16,9 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import torchtpu  # noqa: F401  (a plain `import torch` also works once installed)
+from torchtpu.examples.models import Llama
 
 # Peak dense bf16 TFLOP/s by JAX device kind (for MFU); unknown devices show no MFU.
 PEAK_TFLOPS = {"TPU v4": 275, "TPU v5 lite": 197, "TPU v5e": 197, "TPU v5p": 459, "TPU v6 lite": 918,
@@ -45,63 +45,7 @@ def corpus():
     return "\n\n".join(texts).encode("utf-8", errors="ignore")
 
 
-# --- the model ----------------------------------------------------------------------------
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim, eps=1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-def rotary(x, positions):
-    half = x.shape[-1] // 2
-    freqs = 10000.0 ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    angles = positions[:, None].float() * freqs[None, :]
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-
-
-class Block(nn.Module):
-    def __init__(self, d, heads, hidden):
-        super().__init__()
-        self.heads = heads
-        self.attn_norm, self.mlp_norm = RMSNorm(d), RMSNorm(d)
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
-        self.proj = nn.Linear(d, d, bias=False)
-        self.gate_up = nn.Linear(d, 2 * hidden, bias=False)
-        self.down = nn.Linear(hidden, d, bias=False)
-
-    def forward(self, x, positions):
-        B, T, C = x.shape
-        q, k, v = self.qkv(self.attn_norm(x)).split(C, dim=-1)
-        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-        q, k = rotary(q, positions), rotary(k, positions)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
-        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
-
-
-class Llama(nn.Module):
-    def __init__(self, vocab=256, d=128, layers=4, heads=4, hidden=352):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(Block(d, heads, hidden) for _ in range(layers))
-        self.norm = RMSNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, idx):
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x, positions)
-        return self.head(self.norm(x))
-
+# --- the model (torchtpu.examples.models.Llama) -----------------------------------------------
 
 def flops_per_token(model, seq):
     n = sum(p.numel() for p in model.parameters())
