@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import torchtpu  # noqa: F401
+import torchtpu
 
 
 def close(tpu, cpu, **kw):
@@ -75,11 +75,13 @@ def scenario_collectives():
     c[:, 1:3] = cols
     dist.all_reduce(t[:, 1:3])
     close(t, c)
-    # async_op returns a Work whose wait() returns once the result exists.
+    # async_op returns a Work: wait() orders later work after it, as on a CUDA stream (it does
+    # not block the host), and is_completed() says whether the results exist.
     c, t = pair(lambda: rand(8))
     works = [dist.all_reduce(x, async_op=True) for x in (c, t)]
     assert all(w.wait() for w in works)
-    assert works[1].is_completed()
+    torch.tpu.synchronize()
+    assert works[1].is_completed() and works[1].is_success()
     close(t, c)
     fut = dist.all_reduce(t, async_op=True).get_future()
     dist.all_reduce(c)
@@ -191,15 +193,63 @@ def scenario_collectives():
     dist.all_gather_object(objs, {"rank": r, "tag": "x" * r})
     assert objs == [{"rank": i, "tag": "x" * i} for i in range(n)]
 
-    # A rank with another shape gets a clear error (no runtime abort), and nothing changes.
+    # A rank with another shape gets a clear error (no runtime abort, no hang) where the host
+    # next waits (the collective is dispatched asynchronously, as on CUDA), naming both sides,
+    # and nothing changes.
     t = torch.ones(3 + r, device="tpu")
     try:
         dist.all_reduce(t)
+        t.cpu()
         raise AssertionError("mismatched shapes were not detected")
     except RuntimeError as e:
         assert "ranks disagree" in str(e) and "(3,)" in str(e) and "(4,)" in str(e), e
     assert torch.equal(t.cpu(), torch.ones(3 + r))
+    try:  # as after NCCL's abort: the ranks are out of step, the group refuses more work
+        dist.all_reduce(t)
+        raise AssertionError("the group kept working after the ranks disagreed")
+    except dist.DistBackendError as e:
+        assert "unusable" in str(e) and "disagreed" in str(e), e
     dist.destroy_process_group()
+
+
+def scenario_divergent():
+    """Rank 0 calls a collective that rank 1 does not: each rank gets a RuntimeError naming
+    both sides where it next waits (no hang, no abort), and its tensors keep their values."""
+    mode = os.environ["TORCHTPU_TEST_MODE"]
+    dist.init_process_group("tpu", timeout=datetime.timedelta(seconds=60))
+    r = dist.get_rank()
+    torch.tpu.eager_mode = {"strict": "DEFER_NEVER", "fused": "DEFER_AND_FUSE",
+                            "debug": "DEFER_NEVER_AND_LAUNCH_BLOCKING"}[mode]
+    t, u = torch.ones(4, device="tpu"), torch.ones(3, device="tpu")
+    try:
+        if r == 0:
+            dist.all_reduce(t)  # rank 0 only
+        dist.all_reduce(u)
+        u.cpu()
+        raise AssertionError("the ranks' different collectives were not detected")
+    except RuntimeError as e:
+        text = str(e)
+        assert "ranks disagree" in text and "rank 0:" in text and "rank 1:" in text, e
+        assert "(4,)" in text and "(3,)" in text, e
+    torch.tpu.eager_mode = "DEFER_NEVER"
+    try:
+        assert torch.equal(t.cpu(), torch.ones(4)) and torch.equal(u.cpu(), torch.ones(3)), (t.cpu(), u.cpu())
+    except dist.DistBackendError as e:
+        # Strict eager: rank 0 dispatched its next collective before the disagreement was
+        # known, and it waits for rank 1 in vain: host waits now fail at once (no hang).
+        assert mode == "strict" and r == 0 and "unusable" in str(e), e
+    print(f"PASS divergent rank {r}", flush=True)
+    # Rank 0 may still have a collective waiting for rank 1 (strict, debug): no collective
+    # can end the job, so the ranks meet in the store, then leave.
+    store = dist.distributed_c10d._get_default_store()
+    if r:
+        store.set("divergent/done", "1")
+        store.wait(["divergent/bye"])
+    else:  # (the store's server: it leaves last)
+        store.wait(["divergent/done"])
+        store.set("divergent/bye", "1")
+        time.sleep(1)
+    os._exit(0)
 
 
 # --- the small transformer: DDP and FSDP2 against one process -------------------------------
@@ -232,15 +282,46 @@ def reference_losses(data):
     return losses
 
 
-def train_sharded(model, data, r, n):
+# How the training scenarios run a step: "eager" (the process's eager mode) or "onestep"
+# (torch.compile(step, backend="tpu", mode="reduce-overhead"): one executable per step).
+STEP = os.environ.get("TORCHTPU_TEST_STEP", "eager")
+_BUILT = ("compiles", "segment_compiles", "graph_compiles", "tpu_graph_compiles",
+          "executables_compiled")
+
+
+def check_steady(before, after, what):
+    """A steady step, collectives included, builds nothing and never waits for the host; in
+    fused eager it runs as at most 2 executables (forward; backward and optimizer), in
+    reduce-overhead mode as 1."""
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
+    built = {k: d.get(k, 0) for k in _BUILT if d.get(k, 0)}
+    assert not built and d.get("blocking_waits", 0) == 0, (what, built, d.get("blocking_waits"))
+    if STEP == "onestep":
+        assert d.get("tpu_graph_replays", 0) == 1 and d.get("flushes", 0) == 0, (what, d)
+    elif torch.tpu.eager_mode == torch.tpu.EagerMode.DEFER_AND_FUSE:
+        assert 1 <= d.get("flushes", 0) <= 2, (what, {k: v for k, v in d.items() if "flush" in k})
+    return d
+
+
+def train_sharded(model, data, r, n, what="training"):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for tokens in data:
-        local = tokens.chunk(n)[r].to("tpu")
+
+    def step(local):
         loss = loss_of(model, local)
         loss.backward()
         opt.step()
         opt.zero_grad()
+        return loss
+
+    if STEP == "onestep":
+        step = torch.compile(step, backend="tpu", mode="reduce-overhead")
+    losses = []
+    for i, tokens in enumerate(data):
+        local = tokens.chunk(n)[r].to("tpu")
+        before = torchtpu.metrics()
+        loss = step(local)
+        if i >= 3:  # (DDP agrees on its gradient buckets at the second step)
+            check_steady(before, torchtpu.metrics(), what)
         mean = loss.detach().clone()
         dist.all_reduce(mean, op=dist.ReduceOp.AVG)
         losses.append(mean.item())
@@ -269,7 +350,7 @@ def scenario_training():
     full_bytes = param_bytes(make_model())
 
     ddp = DDP(make_model().to("tpu"))
-    check_losses(train_sharded(ddp, data, r, n), want, "DDP")
+    check_losses(train_sharded(ddp, data, r, n, "DDP"), want, "DDP")
     if r == 0:  # rank-divergent Python: an extra evaluation and logging on rank 0 only
         with torch.no_grad():
             print(f"eval loss {loss_of(ddp.module, data[0].to('tpu')).item():.4f}", flush=True)
@@ -283,7 +364,8 @@ def scenario_training():
             fully_shard(block, reshard_after_forward=reshard)
         fully_shard(model, reshard_after_forward=reshard)
         mine = param_bytes(model)
-        check_losses(train_sharded(model, data, r, n), want, f"FSDP2 reshard={reshard}")
+        check_losses(train_sharded(model, data, r, n, f"FSDP2 reshard={reshard}"), want,
+                     f"FSDP2 reshard={reshard}")
     print(f"MEASURE fsdp_param_bytes rank={r} full={full_bytes} local={mine}", flush=True)
     assert mine <= full_bytes / n * 1.1 + 4096, (mine, full_bytes)
 
@@ -295,6 +377,126 @@ def scenario_training():
     fully_shard(model, mp_policy=policy)
     got = train_sharded(model, data[:3], r, n)
     assert all(abs(a - b) < 0.05 * abs(b) for a, b in zip(got, want)), (got, want[:3])
+    dist.destroy_process_group()
+
+
+# --- FSDP2 set up as users do: CPU or meta modules, HSDP, checkpointing, clipping, DCP --------
+def init_weights(model):
+    """What torchtitan's init_weights does: every submodule's reset_parameters, in order."""
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+
+def meta_model():
+    with torch.device("meta"):
+        return make_model()
+
+
+def shard(model, mesh=None, wrap=None, **kw):
+    from torch.distributed.fsdp import fully_shard
+    for i, block in enumerate(model.blocks):
+        if wrap is not None:
+            block = model.blocks[i] = wrap(block)
+        fully_shard(block, mesh=mesh, **kw)
+    return fully_shard(model, mesh=mesh, **kw)
+
+
+def train_clipped(model, data, r, n, opt=None, clip=None):
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for tokens in data:
+        loss = loss_of(model, tokens.chunk(n)[r].to("tpu") if n else tokens.to("tpu"))
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        if n:
+            dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+        losses.append(mean.item())
+    return losses, opt
+
+
+def full_params(model):
+    from torch.distributed.tensor import DTensor
+    return [(name, (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu())
+            for name, p in model.named_parameters()]
+
+
+def scenario_fsdp_setup():
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("tpu")
+    r, n = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("tpu", (n,))
+    data = batches(6, 4 * n)
+
+    # A module still on the CPU: fully_shard moves it (`param.data = param.data.to(device)`).
+    want = reference_losses(data)
+    model = shard(make_model(), mesh)
+    assert all(p.device.type == "tpu" for p in model.parameters())
+    check_losses(train_clipped(model, data, r, n)[0], want, "FSDP2 of a CPU module")
+
+    # torchtitan's flow: built on meta, sharded, materialised with to_empty, initialised by
+    # reset_parameters under DTensor: each rank draws its own part of one random stream, so
+    # the sharded model holds exactly what the whole model gets from the same seed.
+    whole = meta_model().to_empty(device="tpu")
+    torch.manual_seed(0)
+    init_weights(whole)
+    model = shard(meta_model(), mesh).to_empty(device="tpu")
+    torch.manual_seed(0)
+    init_weights(model)
+    expected = full_params(whole)
+    for (name, got), (_, want_p) in zip(full_params(model), expected):
+        assert torch.equal(got, want_p), f"{name}: sharded initialisation differs from the whole one"
+    print(f"MEASURE meta_init_equal rank={r} params={len(expected)}", flush=True)
+
+    # Activation checkpointing of each block and clip_grad_norm_ over the DTensor gradients,
+    # against the same on one process with the whole batch; the same seed gives both models
+    # the same weights.
+    torch.manual_seed(0)
+    reference = make_model().to("tpu")
+    ref_losses, _ = train_clipped(reference, data, r, 0, clip=0.5)
+    torch.manual_seed(0)
+    model = shard(make_model(), mesh, wrap=checkpoint_wrapper)
+    losses, opt = train_clipped(model, data[:3], r, n, clip=0.5)
+    check_losses(losses, ref_losses[:3], "FSDP2 with activation checkpointing and clipping")
+
+    # DCP: save the model and optimizer, load them into a fresh sharded model, and go on
+    # training exactly where the first left off.
+    path = [tempfile.mkdtemp(prefix="torchtpu-dcp-") if r == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path[0])
+    fresh = shard(meta_model(), mesh, wrap=checkpoint_wrapper).to_empty(device="tpu")
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    model_state, optim_state = get_state_dict(fresh, fresh_opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path[0])
+    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    resumed, _ = train_clipped(fresh, data[3:], r, n, opt=fresh_opt, clip=0.5)
+    check_losses(resumed, ref_losses[3:], "FSDP2 resumed from a DCP checkpoint")
+    dist.destroy_process_group()
+
+
+def scenario_hsdp():
+    """HSDP: FSDP within each row of a 2-D mesh, replicas across rows."""
+    from torch.distributed.device_mesh import init_device_mesh
+    dist.init_process_group("tpu")
+    r, n = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("tpu", (2, n // 2), mesh_dim_names=("replicate", "shard"))
+    data = batches(4, 4 * n)
+    want = reference_losses(data)
+    model = shard(make_model().to("tpu"), mesh)
+    local = param_bytes(model)
+    check_losses(train_clipped(model, data, r, n)[0], want, "HSDP")
+    assert local <= param_bytes(make_model()) / (n // 2) * 1.1 + 4096, local
     dist.destroy_process_group()
 
 
@@ -369,6 +571,7 @@ def scenario_rank_dies():
     try:
         for _ in range(3):
             dist.all_reduce(t)
+        t.cpu()  # dispatched asynchronously: the failure shows where the host waits
         raise AssertionError("all_reduce with a dead peer returned")
     except dist.DistBackendError as e:
         print(f"MEASURE error_after={time.time() - start:.1f}s {type(e).__name__}: {e}", flush=True)
@@ -384,6 +587,7 @@ def scenario_rank_stalls():
     start = time.time()
     try:
         dist.all_reduce(t)
+        t.cpu()  # dispatched asynchronously: the host's wait is bounded by the timeout
         raise AssertionError("all_reduce with a stalled peer returned")
     except dist.DistBackendError as e:
         print(f"MEASURE error_after={time.time() - start:.1f}s {type(e).__name__}: {e}", flush=True)

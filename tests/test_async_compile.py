@@ -201,3 +201,21 @@ def test_a_capture_reads_queued_values_without_waiting_and_restores_them():
     assert_same(w, x * 6)
     g.replay()
     assert_same(w, x * 12)
+
+
+def test_a_queued_value_that_runs_during_a_capture_is_the_storage_value_after_it():
+    # The queue may run while a capture records (FSDP2 resizing a storage reads a value): the
+    # result then reaches the storage once the capture gives it back, not the stale pending.
+    from torchtpu._core import storage
+    from torchtpu._execution import tpu_graphs
+    x = torch.randn(5, 43)
+    w = x.to("tpu") * 5  # queued: a new executable
+    assert async_compile.queued(storage.buffer_of(w)._array)
+    g = torch.tpu.TPUGraph()
+    with tpu_graphs.graph(g, _wait=False):
+        w.mul_(2)
+        async_compile.drain()
+    assert not async_compile.queued(storage.buffer_of(w)._array)
+    assert torch.equal(w.cpu(), x * 5)
+    g.replay()
+    assert_same(w, x * 10)

@@ -118,6 +118,29 @@ def test_rng_seeding_is_reproducible():
     assert not torch.equal(torch.rand(4, device="tpu").cpu(), d)
 
 
+def test_rng_state_is_philox_seed_and_offset_and_draws_are_offset_addressed():
+    # CUDA's layout (16 bytes: seed, offset), which DTensor's random-op tracker reads and
+    # writes; a draw of n elements moves the offset by n rounded up to 4, and element i comes
+    # from counter offset + i, so draws at consecutive offsets are the parts of one draw.
+    torch.manual_seed(7)
+    state = torch.tpu.get_rng_state()
+    assert state.dtype == torch.uint8 and state.shape == (16,)
+    assert state.view(torch.int64).tolist() == [7, 0]
+    whole = torch.empty(2, 50, device="tpu").uniform_().cpu()
+    assert torch.tpu.get_rng_state().view(torch.int64).tolist() == [7, 100]
+    parts = []
+    for start in (0, 52):  # a shard of 48 elements at offset 52 (a multiple of 4, as DTensor's)
+        torch.tpu.set_rng_state(torch.tensor([7, start]).view(torch.uint8))
+        parts.append(torch.empty(48, device="tpu").normal_().cpu())
+    torch.tpu.set_rng_state(torch.tensor([7, 0]).view(torch.uint8))
+    assert torch.equal(torch.empty(100, device="tpu").normal_().cpu()[52:], parts[1])
+    assert not torch.equal(parts[0], parts[1])
+    torch.manual_seed(7)
+    assert torch.equal(torch.empty(100, device="tpu").uniform_().cpu(), whole.reshape(-1))
+    with pytest.raises(RuntimeError, match="16 bytes"):
+        torch.tpu.set_rng_state(torch.zeros(24, dtype=torch.uint8))
+
+
 def test_random_distributions_are_plausible():
     x = torch.randn(20000, device="tpu").cpu()
     assert abs(x.mean()) < 0.05 and abs(x.std() - 1) < 0.05
@@ -158,7 +181,7 @@ def test_random_fills_drawn_for_a_bucketed_size_give_the_same_values(name, args,
     # of its base changes.
     base = torch.zeros(4, 21, dtype=dtype, device="tpu")
     view = fill(base[1:3])
-    monkeypatch.setattr(op_kernel, "_partitionable_draws", lambda: False)
+    monkeypatch.setattr(op_kernel, "fill_bucket", lambda n: n)  # every fill at its own size
     exact = [fill(torch.empty(s, dtype=dtype, device="tpu")) for s in shapes]
     for s, b, e in zip(shapes, bucketed, exact):
         assert b.shape == s and b.dtype == dtype

@@ -91,9 +91,14 @@ def test_each_rank_on_tpu_local_rank_of_a_shared_host():
     assert_passed(launch("dtensor", 2, devices_per_process=2), "dtensor")
 
 
-@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize("mode", ["strict", "fused", "reduce-overhead"])
 def test_ddp_and_fsdp2_train_like_one_process(mode):
-    results = launch("training", 2, env={"TORCH_TPU_DEFER_AND_FUSE": "1"} if mode == "fused" else {})
+    # In every mode, with the collectives in the step's programs: a steady step builds nothing
+    # and never waits; fused eager runs it as 2 executables, reduce-overhead as 1 (the
+    # worker's check_steady).
+    env = {"fused": {"TORCH_TPU_DEFER_AND_FUSE": "1"},
+           "reduce-overhead": {"TORCHTPU_TEST_STEP": "onestep"}}.get(mode, {})
+    results = launch("training", 2, env=env)
     assert_passed(results, "training")
     # FSDP2 keeps about 1/N of the parameters on each rank.
     for _, out in results.values():
@@ -107,8 +112,24 @@ def test_torch_tpu_queries_before_init_process_group():
     assert_passed(launch("launch_order", 2), "launch_order")
 
 
+@pytest.mark.parametrize("mode", ["strict", "fused", "debug"])
+def test_a_collective_on_one_rank_only_raises_naming_both_sides(mode):
+    assert_passed(launch("divergent", 2, timeout=120, env={"TORCHTPU_TEST_MODE": mode}), "divergent")
+
+
 def test_init_process_group_after_a_tensor_says_why():
     assert_passed(launch("tensor_before_init", 2, timeout=120), "tensor_before_init")
+
+
+def test_fsdp2_as_users_set_it_up():
+    # A CPU module, a meta module initialised under DTensor, activation checkpointing,
+    # clip_grad_norm_ and a DCP round trip of model and optimizer.
+    results = launch("fsdp_setup", 2)
+    assert_passed(results, "fsdp_setup")
+
+
+def test_hsdp_on_a_2d_mesh():
+    assert_passed(launch("hsdp", 4), "hsdp")
 
 
 def test_dtensor_and_distributed_checkpoint():

@@ -15,7 +15,6 @@ import torch
 from .._core import storage
 from .._execution import bounded, fused, op_kernel, sync
 from .._core import metrics
-from .._execution.random import next_key_parts
 from .._core import registry
 
 def unsupported_ops(gm):
@@ -88,21 +87,11 @@ class Captured:
         # Where each array the recording read comes from: an input (its buffer's position)
         # or a constant the graph holds.
         self.sources = [arrays.get(id(a), a) for a in tr.ext_arrays]
-        # The trace and its Pending values form a cycle that only the cyclic collector frees:
-        # until then it would hold this call's input arrays, so the first run could not donate
-        # them and the second would compile an executable of its own.
-        tr.ext_arrays.clear()
-        tr.ext_ids.clear()
         self.signature = tuple(tr.signature)
         self.where = tr.where
-        self.scalars = list(tr.scalars)
         self.scalar_types = tuple(map(type, tr.scalars))
-        self.random_positions = []
-        pos = 0
-        for (compiled, _, n_scalars), (kernel, _) in zip(tr.signature, tr.where):
-            if kernel.low.random:
-                self.random_positions.append(pos)
-            pos += n_scalars
+        self.scalars = fused.PackedScalars(tr.scalars, self.scalar_types, tr.random_positions(),
+                                           self.device)
         result_slots = []
 
         def result_index(slot):
@@ -125,10 +114,9 @@ class Captured:
         guarded = [(r, read_from[j]) for j, r in self.mutations if j in read_from]
         self.segment = fused.Segment(self.signature, result_slots, self.scalar_types, "graph",
                                      guarded)
-        # The trace and its Pending values form a cycle that only the garbage collector frees;
-        # until then its list of inputs would keep them from being donated.
-        tr.ext_arrays.clear()
-        tr.ext_ids.clear()
+        # (this call's input arrays would stay referenced: the first run could not donate them
+        # and the second would compile an executable of its own)
+        tr.release()
 
     @staticmethod
     def _output_spec(o, args, tr, result_index):
@@ -153,12 +141,7 @@ class Captured:
 
     def _arguments(self, buffers):
         ext = [buffers[s].value() if isinstance(s, int) else s for s in self.sources]
-        scalars = self.scalars
-        if self.random_positions:
-            scalars = list(scalars)
-            for pos in self.random_positions:
-                scalars[pos], scalars[pos + 1] = next_key_parts(self.device)
-        return ext, fused.pack_scalars(scalars, self.scalar_types)
+        return ext, self.scalars.for_run()
 
     def stablehlo(self, buffers):
         return self.segment.lower(*self._arguments(buffers)).as_text()

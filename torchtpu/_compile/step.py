@@ -33,7 +33,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._core import metrics, storage
-from .._execution import tpu_graphs
+from .._core.metrics import FlushReason
+from .._execution import fused, tpu_graphs
 from . import backend, fx_graph
 
 
@@ -51,6 +52,7 @@ class WholeStep:
         if self._eager is None:
             self._eager = compiled._torchdynamo_orig_callable
         self._steps = {}  # call key -> _Captured, or None: runs the Dynamo path
+        self._retries = {}  # call key -> eager captures that read the host, so far
 
     def __getattr__(self, name):  # the wrapped OptimizedModule's attributes
         return getattr(self.__dict__["_compiled"], name)
@@ -69,7 +71,9 @@ class WholeStep:
         if step is False:  # warm up, then capture
             with _capturable_optimizers():
                 out = self._eager(*args, **kwargs)
-            self._steps[key] = self._capture(flat, args, kwargs)
+            step = self._capture(flat, args, kwargs, key)
+            if step is not _RETRY:
+                self._steps[key] = step
             return out
         if step is not None:
             changed = step.graph._hyper_changed()
@@ -79,7 +83,7 @@ class WholeStep:
             self._steps[key] = None
         return self._compiled(*args, **kwargs)
 
-    def _capture(self, flat, args, kwargs):
+    def _capture(self, flat, args, kwargs, key):
         # The eager step first; then the step as Dynamo compiles it, whose Python can differ
         # where PyTorch branches on torch.compiler.is_compiling() (e.g. SGD with a tensor lr
         # reads it on the host in eager, not in a compiled step).  A failed capture leaves
@@ -93,6 +97,13 @@ class WholeStep:
                     out = fn(*args, **kwargs)
                 step = _Captured(g, flat, out)
             except (RuntimeError, _Fallback) as e:
+                tries = self._retries.get(key, 0)
+                if fn is self._eager and _read_the_host(e) and tries < _MAX_RETRIES:
+                    # Code that reads the host in its first steps only (DDP rebuilds its
+                    # gradient buckets at the second, agreeing on them through the host):
+                    # another eager warm-up, then capture again, at the next call.
+                    self._retries[key] = tries + 1
+                    return _RETRY
                 error = e
                 continue
             metrics.counters["step_captures"] += 1
@@ -100,6 +111,17 @@ class WholeStep:
         warnings.warn(f"torchtpu: compiled step runs graph by graph (it cannot be captured "
                       f"as one executable): {error}")
         return None
+
+
+_RETRY = object()
+_MAX_RETRIES = 2
+
+
+def _read_the_host(error):
+    """Whether a capture failed because the step read a value on the host."""
+    cause = error.__cause__
+    return isinstance(cause, fused.CaptureBroken) and cause.reason in (
+        FlushReason.ITEM, FlushReason.DEVICE_TO_HOST, FlushReason.READ)
 
 
 @contextlib.contextmanager

@@ -24,7 +24,8 @@ class FlushReason(str, enum.Enum):
     CPU_FALLBACK = "cpu_fallback"      # an op without a lowering runs on the CPU
     SYNCHRONIZE = "synchronize"        # torch.tpu.synchronize(), the profiler
     EVENT = "event"                    # an event records the work before it
-    COLLECTIVE = "collective"          # a torch.distributed collective
+    COLLECTIVE = "collective"          # a collective run as a program of its own (see spmd.in_program)
+    GROUP_CHANGE = "group_change"      # a collective of another process group than the trace's
     DEVICE_CHANGE = "device_change"    # an op on another device
     BACKWARD = "backward"              # the autograd engine starts a backward pass
     MAX_OPS = "max_ops"                # the trace reached TORCHTPU_FUSE_MAX_OPS

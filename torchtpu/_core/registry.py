@@ -64,9 +64,9 @@ class Lowering:
     # Pass the PRNG key as the first argument (random ops).
     random: bool = False
     # A random fill of its in-place target: element i of the result depends only on the key,
-    # the Python numbers and the i-th draw in row-major order (uniform_, normal_, ...).  JAX's
-    # partitionable threefry draws element i from counter i, so a fill of n elements equals the
-    # first n of a fill of more: strict eager draws for a few bucketed sizes and copies
+    # the Python numbers and the i-th draw in row-major order (uniform_, normal_, ...).  Element
+    # i is drawn from counter offset + i (_execution/random.py), so a fill of n elements equals
+    # the first n of a fill of more: strict eager draws for a few bucketed sizes and copies
     # (op_kernel.OpKernel._bucketed_fill).  A fill's `float` parameters (bounds, mean and std,
     # p) are traced: nn.init's bounds differ with each fan-in, and as constants every value was
     # a threefry program of its own (~0.5 s of XLA:CPU compile).
@@ -89,6 +89,11 @@ class Lowering:
     # The exception type of the CPU's refusal of an out= the result can't be cast to (cat's
     # kernel raises TypeError, others RuntimeError).
     out_cast_error: type = RuntimeError
+    # A collective of a process group (the `_c10d_functional` ops): mesh(args), from the op's
+    # functional arguments, gives the jax Mesh of the group's devices (one per rank, axis
+    # "ranks"), inside which every program holding the op runs (_execution/spmd.py); its
+    # lowering uses `lax` collectives over that axis.
+    mesh: Callable = None
 
 
 def overload_of(name, missing_ok=False):

@@ -57,12 +57,15 @@ class Pending:
     """The value of a storage that a deferred (fused) op will produce when its segment runs;
     reading it runs the segment (`trace.flush(reason)`)."""
 
-    __slots__ = ("trace", "slot", "owner")
+    __slots__ = ("trace", "slot", "owner", "result")
 
     def __init__(self, trace, slot):
         self.trace = trace
         self.slot = slot
         self.owner = None  # weakref to the DeviceBuffer whose value this is
+        # The array it became once its op ran (None before), for a holder its owner no longer
+        # hands it to: a capture that restores the storages it wrote (_execution/tpu_graphs.py)
+        self.result = None
 
 
 class Failed:

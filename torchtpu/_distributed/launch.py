@@ -66,6 +66,14 @@ def initialize(store, rank, world_size, timeout):
     address = store.get(key).decode()
     # On the CPU the cross-process collectives run on gloo; TPU and GPU use their own.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # XLA:CPU's concurrency-optimized scheduler orders collectives that do not depend on each
+    # other differently in different processes (two FSDP blocks' all-gathers of one shape, in a
+    # program that checks the ranks' collectives, swapped their data), and gloo pairs them by
+    # order: every program keeps the order it issues them in.  (A compiler option of the
+    # program alone did not take; the flag must be set before XLA reads its flags.)
+    flag = "--xla_cpu_enable_concurrency_optimized_scheduler"
+    if flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}=false".strip()
     jax.distributed.initialize(address, num_processes=world_size, process_id=rank,
                                initialization_timeout=max(int(timeout.total_seconds()), 1))
     _initialized = True

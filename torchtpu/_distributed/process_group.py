@@ -1,51 +1,68 @@
 """`ProcessGroupTPU`: the c10d backend "tpu", a `torch.distributed.ProcessGroup` written in Python.
 
-Each collective takes the JAX arrays of its tpu tensors, makes them one global array over the
-group's devices (one per rank), runs the cached collective program (`programs.py`) and writes the
-results back into the output tensors. CPU tensors given to a tpu group go to the group's own
-gloo side, so object collectives and `"cpu:gloo,tpu:tpu"` work; so do point-to-point sends (see
-`send`).
+Its collectives are ops of the lowering table (`collective_ops.py`: PyTorch's `_c10d_functional`
+ops), called on the tensors given, below autograd (a collective library writes memory: no
+autograd record and no version bump).  They therefore run in every mode as ops do: in strict
+eager as a program of their own, dispatched asynchronously on the calling thread (no thread
+hand-off); in fused eager, a torch.tpu graph or a compiled graph recorded into the trace, whose
+program then holds them.  Every program holding collectives first checks that the ranks issue
+the same collectives (_execution/spmd.py); a mismatch raises a RuntimeError naming each rank's
+side at the next host wait, and leaves every tensor as it was.
 
-Collectives are matched by call order, as in PyTorch. Before the data moves, the ranks compare a
-small signature of the call (collective, reduce op, root, dtype, shape): a rank that calls a
-different collective or passes another shape gets a RuntimeError instead of the runtime's abort.
-A collective that does not finish within the group's timeout raises `DistBackendError`, and the
-group refuses further work (a peer is gone or stuck; like NCCL's watchdog abort).
+`Work` follows CUDA's stream semantics: `wait()` does not block the host (later ops read the
+collective's results through JAX's data dependence), `is_completed()` tells whether its
+results exist, `get_future()` is completed with the output tensors.  `barrier()` blocks.  The
+host's waits (`.item()`, `.cpu()`, `synchronize()`, ...) are bounded by the group's timeout
+while collective programs are in flight: a peer that stalls or dies makes them raise
+`DistBackendError`, and the group then refuses further work (like NCCL's watchdog abort).
+
+CPU tensors given to a tpu group go to the group's own gloo side, so object collectives and
+`"cpu:gloo,tpu:tpu"` work; so do point-to-point sends (see `send`).
 """
+import collections
 import concurrent.futures
-import datetime
-import hashlib
-import os
+import contextlib
+import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 import torch.distributed as dist
+from jax.sharding import Mesh
 
-from .._core import runtime, storage
-from .._core.dtypes import to_jax_dtype
-from .._execution import fused
-from .._core import metrics
-from .._core.metrics import FlushReason
-from .._execution.transfer import value_of
-from . import launch, programs
+from .._core import metrics, runtime
+from .._execution import spmd, sync
+from . import collective_ops, launch
 
+_F = torch.ops._c10d_functional
 _REDUCE_OPS = {
     dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.PRODUCT: "product",
     dist.ReduceOp.MIN: "min", dist.ReduceOp.MAX: "max", dist.ReduceOp.BAND: "band",
     dist.ReduceOp.BOR: "bor", dist.ReduceOp.BXOR: "bxor",
 }
-_KINDS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "reduce",
-          "gather", "scatter", "barrier", "all_to_all_uneven")
-
-# XLA runs a CPU collective inside the dispatching call; a dedicated thread runs every program
-# so the caller can stop waiting after the timeout. One thread keeps this process's order.
-_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torchtpu-collectives")
+_groups = {}  # group name -> ProcessGroupTPU
+_by_mesh = {}  # mesh -> a ProcessGroupTPU over it (whose timeout bounds its programs)
 
 
-def _check_enabled():
-    return os.environ.get("TORCHTPU_DIST_CHECK", "1") != "0"
+@functools.cache
+def mesh_of(device_ids):
+    by_id = {d.id: d for d in jax.devices()}
+    return Mesh(np.array([by_id[i] for i in device_ids]), (spmd.AXIS,))
+
+
+def group_named(name):
+    """The ProcessGroupTPU a `_c10d_functional` op names (by its group name, or the group)."""
+    if isinstance(name, ProcessGroupTPU):
+        return name
+    group = _groups.get(str(name))
+    if group is None:
+        pg = name if isinstance(name, dist.ProcessGroup) else \
+            dist.distributed_c10d._resolve_process_group(str(name))
+        group = pg._get_backend(torch.device("tpu"))
+        if not isinstance(group, ProcessGroupTPU):
+            raise RuntimeError(f"process group {name!r} has no tpu backend (it uses "
+                               f"{type(group).__name__}); create it with backend 'tpu'")
+    return group
 
 
 def _reduce_op(opts, who):
@@ -56,27 +73,74 @@ def _reduce_op(opts, who):
     return name
 
 
-class _Work(dist._Work):
-    """A finished (or running) collective: `wait()` blocks until the results exist."""
+# --- programs in flight and the group's timeout -------------------------------------------------
+# Multi-rank programs dispatched and not known to be done, oldest first: (marker, group).  The
+# marker is one of the program's outputs, ready when it has run.
+_in_flight = collections.deque()
+_waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torchtpu-collectives")
 
-    def __init__(self, result, arrays, timeout):
+
+def _dispatched(mesh, marker):
+    group = _by_mesh.get(mesh)
+    if group is None:
+        return
+    while _in_flight and _in_flight[0][0].is_ready():
+        done, owner = _in_flight.popleft()
+        owner._finished(done)
+    _in_flight.append((marker, group))
+
+
+def _failed(mesh, error):
+    group = _by_mesh.get(mesh)
+    if group is not None:
+        group._broken = f"a collective failed on rank {group._rank}: {error}"
+        raise dist.DistBackendError(
+            f"ProcessGroupTPU: {group._broken} (did another rank exit?)") from error
+
+
+def _disagreed(mesh, sides):
+    group = _by_mesh.get(mesh)
+    if group is not None and group._broken is None:
+        # Their programs skipped their collectives; a rank that issued more waits for peers
+        # that will not come, as after a timeout.
+        group._broken = f"the ranks disagreed on their collectives ({sides})"
+
+
+def _wait_in_flight():
+    """Before the host waits: every collective program dispatched so far has run, or the
+    group's timeout ran out (DistBackendError)."""
+    while _in_flight:
+        marker, group = _in_flight[0]
+        if group._broken is not None and not marker.is_ready():
+            # (a program of a group whose ranks disagreed: its peers may never come)
+            group._check_usable()
+        group._finished(marker, wait=True)
+        _in_flight.popleft()
+        # Where the ranks disagreed, a later program of this rank may wait for peers that
+        # will not come: the disagreement is the error to raise.
+        sync.raise_ready()
+
+
+class _Work(dist._Work):
+    """A dispatched collective (see the module docstring for what waiting means here)."""
+
+    def __init__(self, group, result, tensors):
         super().__init__()
+        self._group = group
         self._result = result
-        self._arrays = arrays
-        self._timeout = timeout
+        self._tensors = tensors
 
     def wait(self, timeout=None):
-        limit = self._timeout
-        if timeout is not None and timeout != datetime.timedelta(0):
-            limit = timeout
-        _block(self._arrays, limit)
+        self._group._check_usable()
         return True
 
     def is_completed(self):
-        return all(a.is_ready() for a in self._arrays)
+        from .._core.storage import Array
+        arrays = [t.untyped_storage()._tpu._array for t in self._tensors]
+        return all(type(a) is Array and a.is_ready() for a in arrays)
 
     def is_success(self):
-        return True
+        return self._group._broken is None
 
     def exception(self):
         return None
@@ -90,59 +154,6 @@ class _Work(dist._Work):
         return fut
 
 
-def _block(arrays, timeout):
-    if not arrays or all(a.is_ready() for a in arrays):
-        return
-    waiting = _executor.submit(lambda: [a.block_until_ready() for a in arrays])
-    try:
-        waiting.result(timeout.total_seconds())
-    except concurrent.futures.TimeoutError:
-        raise dist.DistBackendError(
-            f"ProcessGroupTPU: a collective did not finish within the timeout ({timeout})") from None
-
-
-def _assign(out, array):
-    """Write `array` (out's shape) into tensor `out` the way a collective library does: no
-    autograd record and no version bump."""
-    buf = storage.buffer_of(out)
-    jdtype = to_jax_dtype(out.dtype)
-    if array.dtype != jdtype:
-        array = array.astype(jdtype)
-    if array.shape != tuple(out.shape):
-        array = array.reshape(out.shape)
-    if (out.storage_offset() == 0 and out.is_contiguous() and buf.dtype == jdtype
-            and buf.nbytes == out.numel() * out.element_size() and not buf.from_bytes):
-        buf.array = array
-        return
-    src = storage.wrap(array, tuple(out.shape),
-                       storage.contiguous_strides(out.shape), out.dtype, out.device.index)
-    with torch._C._AutoDispatchBelowADInplaceOrView():
-        out.copy_(src)
-
-
-def _digest(value):
-    """A hash that is the same in every process (Python's `hash` of a str is not)."""
-    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=6).digest(), "little")
-
-
-def _signature(kind, static, dtype, shape):
-    sig = np.full(12, -1, np.int64)
-    sig[0] = _KINDS.index(kind)
-    sig[1] = _digest(static)
-    sig[2] = _digest(str(dtype))
-    sig[3] = len(shape)
-    sig[4:10][:min(len(shape), 6)] = list(shape)[:6]
-    sig[10] = _digest(tuple(shape))
-    return sig
-
-
-def _describe(sig):
-    kind = _KINDS[int(sig[0])] if 0 <= sig[0] < len(_KINDS) else "?"
-    ndim = int(sig[3])
-    dims = [int(d) for d in sig[4:4 + min(ndim, 6)]] + (["..."] if ndim > 6 else [])
-    return f"{kind} of shape ({', '.join(map(str, dims))}{',' if ndim == 1 else ''})"
-
-
 class ProcessGroupTPU(dist.ProcessGroup):
     def __init__(self, store, rank, size, timeout, global_ranks=None, group_name=""):
         super().__init__(rank, size)
@@ -150,15 +161,21 @@ class ProcessGroupTPU(dist.ProcessGroup):
         self._rank = rank
         self._size = size
         self._timeout = timeout
-        self._name = group_name
+        self._name = str(group_name)
         self._broken = None
-        self._signatures = {}
-        self._expected = None
         self._cpu = dist.ProcessGroupGloo(
             dist.PrefixStore("torchtpu-gloo/", store), rank, size, timeout)
         if not global_ranks:  # the default (world) group starts JAX's multi-process runtime
             launch.initialize(store, rank, size, timeout)
         self._device_ids = self._exchange_devices()
+        ranks = list(global_ranks) if global_ranks else list(range(size))
+        self.label = f"{self._name} (ranks {ranks})"
+        # One rank's collectives are the identity: its ops need no program over a mesh.
+        self.mesh = mesh_of(self._device_ids) if size > 1 else None
+        collective_ops.install(group_named)
+        _groups[self._name] = self
+        if self.mesh is not None:
+            _by_mesh[self.mesh] = self
 
     # --- the group's devices ------------------------------------------------------------
     def _exchange_devices(self):
@@ -190,68 +207,40 @@ class ProcessGroupTPU(dist.ProcessGroup):
     def group_name(self):
         return self._name
 
-    # --- running programs ---------------------------------------------------------------
-    def _expect(self, kind, static, dtype, shape):
-        """Declare the call about to run; the next `_run` first checks that every rank made
-        the same one (in the same job on the collectives thread, so it costs one handoff)."""
-        if not _check_enabled() or self._size == 1:
-            return
-        sig = _signature(kind, static, dtype, shape)
-        key = sig.tobytes()
-        mine = self._signatures.get(key)
-        if mine is None:  # device copies of recurring signatures: no transfer per call
-            mine = self._signatures[key] = jax.device_put(
-                sig, runtime.jax_device(runtime.current_device()))
-        self._expected = (sig, mine)
-
-    def _run(self, kind, static, local):
-        """This rank's block of collective `kind` on its block `local` (see programs.py)."""
+    # --- running collectives ------------------------------------------------------------
+    def _check_usable(self):
         if self._broken is not None:
             raise dist.DistBackendError(
                 f"ProcessGroupTPU: the group is unusable after an earlier failure: {self._broken}")
-        expected, self._expected = self._expected, None
-        if self._size == 1:  # every collective of one rank's block is that block
-            return local
-        ids = self._device_ids
-        mesh = programs.mesh_of(ids)
-        fn = programs.program(kind, static, ids)
+
+    @contextlib.contextmanager
+    def _calls(self, kind, tensors=()):
+        """Around the ops of one c10d call: refused once the group is broken; below autograd
+        (no record, no version bump)."""
+        self._check_usable()
         metrics.counters[f"collective::{kind}"] += 1
-        metrics.counters["collective_bytes"] += local.size * local.dtype.itemsize
-        scalar = local.ndim == 0
-        if scalar:
-            local = local.reshape(1)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        metrics.counters["collective_bytes"] += nbytes
+        metrics.counters[f"collective_bytes::{kind}"] += nbytes
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            yield
 
-        def job():
-            if expected is not None:
-                check = programs.program("all_gather", None, ids)
-                signatures = check(programs.as_global(mesh, expected[1]))
-                rows = np.asarray(programs.local_block(signatures)).reshape(self._size, -1)
-                if any(not np.array_equal(row, expected[0]) for row in rows):
-                    return rows
-            return fn(programs.as_global(mesh, local))
-
+    def _finished(self, marker, wait=False):
+        """Raise DistBackendError (and break the group) if the program that gave `marker`
+        failed, or if `wait` and it does not finish within the timeout."""
         try:
-            out = _executor.submit(job).result(self._timeout.total_seconds())
+            if wait and not marker.is_ready():
+                _waiter.submit(marker.block_until_ready).result(self._timeout.total_seconds())
+            else:
+                marker.block_until_ready()
         except concurrent.futures.TimeoutError:
-            self._broken = (f"{kind} timed out after {self._timeout} on rank {self._rank} "
+            self._broken = (f"a collective timed out after {self._timeout} on rank {self._rank} "
                             "(another rank is gone, stuck, or called a different collective)")
             raise dist.DistBackendError(f"ProcessGroupTPU: {self._broken}") from None
         except Exception as e:  # the runtime's report of a lost peer
-            self._broken = f"{kind} failed on rank {self._rank}: {e}"
+            self._broken = f"a collective failed on rank {self._rank}: {e}"
             raise dist.DistBackendError(
                 f"ProcessGroupTPU: {self._broken} (did another rank exit?)") from e
-        if isinstance(out, np.ndarray):  # the ranks' signatures differ
-            calls = "; ".join(f"rank {r}: {_describe(row)}" for r, row in enumerate(out))
-            raise RuntimeError(
-                f"ProcessGroupTPU: ranks disagree on a collective call ({calls}); every rank "
-                "must call the same collectives in the same order with tensors of the same "
-                "shape and dtype")
-        out = programs.local_block(out)
-        return out.reshape(()) if scalar else out
-
-    def _values(self, tensors):
-        fused.flush(FlushReason.COLLECTIVE)
-        return [value_of(t) for t in tensors]
 
     def _route(self, tensors, who):
         """'tpu' for tpu tensors, 'cpu' for CPU ones; anything else is an error."""
@@ -268,249 +257,275 @@ class ProcessGroupTPU(dist.ProcessGroup):
                     f"tpu:{runtime.current_device()}")
         return "tpu"
 
-    def _cpu_group(self):
-        return self._cpu
-
-    def _done(self, result, arrays=()):
-        return _Work(result, list(arrays), self._timeout)
+    def _work(self, result, tensors=None):
+        return _Work(self, result, list(result if tensors is None else tensors))
 
     # --- all-reduce and friends -----------------------------------------------------------
     def allreduce(self, tensors, opts):
         if self._route(tensors, "allreduce") == "cpu":
-            return self._cpu_group().allreduce(tensors, opts)
+            return self._cpu.allreduce(tensors, opts)
         op = _reduce_op(opts, "allreduce")
-        arrays = []
-        for t, v in zip(tensors, self._values(tensors)):
-            self._expect("all_reduce", op, t.dtype, t.shape)
-            out = self._run("all_reduce", op, v)
-            _assign(t, out)
-            arrays.append(out)
-        return self._done(tensors, arrays)
+        with self._calls("all_reduce", tensors):
+            for t in tensors:
+                _F.all_reduce_(t, op, self._name)
+        return self._work(tensors)
 
     def allreduce_coalesced(self, tensors, opts):
-        return self.allreduce(tensors, opts)
+        if self._route(tensors, "allreduce_coalesced") == "cpu":
+            return self._cpu.allreduce_coalesced(tensors, opts)
+        op = _reduce_op(opts, "allreduce_coalesced")
+        with self._calls("all_reduce", tensors):
+            _F.all_reduce_coalesced_(tensors, op, self._name)
+        return self._work(tensors)
 
     def reduce(self, tensors, opts):
         if self._route(tensors, "reduce") == "cpu":
-            return self._cpu_group().reduce(tensors, opts)
+            return self._cpu.reduce(tensors, opts)
         op = _reduce_op(opts, "reduce")
-        (t,), (v,) = tensors, self._values(tensors)
-        self._expect("reduce", (op, opts.rootRank), t.dtype, t.shape)
-        out = self._run("all_reduce", op, v)
-        if self._rank == opts.rootRank:
-            _assign(t, out)
-        return self._done(tensors, [out])
+        (t,) = tensors
+        with self._calls("reduce", tensors):
+            total = _F.all_reduce(t, op, self._name)
+            if self._rank == opts.rootRank:
+                t.copy_(total)
+        return self._work(tensors)
 
     def broadcast(self, tensors, opts):
         if self._route(tensors, "broadcast") == "cpu":
-            return self._cpu_group().broadcast(tensors, opts)
+            return self._cpu.broadcast(tensors, opts)
         t = tensors[opts.rootTensor]
-        (v,) = self._values([t])
-        self._expect("broadcast", opts.rootRank, t.dtype, t.shape)
-        out = self._run("broadcast", opts.rootRank, v)
-        if self._rank != opts.rootRank:
-            _assign(t, out)
-        return self._done(tensors, [out])
+        with self._calls("broadcast", [t]):
+            _F.broadcast_(t, opts.rootRank, self._name)
+        return self._work(tensors, [t])
 
     def barrier(self, opts):
-        fused.flush(FlushReason.COLLECTIVE)
-        one = jnp.ones((1,), jnp.int32, device=runtime.jax_device(runtime.current_device()))
-        self._expect("barrier", None, torch.int32, (1,))
-        out = self._run("all_reduce", "sum", one)
-        out.block_until_ready()
-        return self._done([], [out])
+        from .._execution.transfer import value_of
+        one = torch.ones(1, dtype=torch.int32, device="tpu")
+        with self._calls("barrier"):
+            _F.all_reduce_(one, "sum", self._name)
+        sync.wait()
+        self._finished(value_of(one), wait=True)
+        return self._work([])
 
     # --- gathers ------------------------------------------------------------------------
-    def _gather_rows(self, kind, t, static=None):
-        (v,) = self._values([t])
-        self._expect(kind, static, t.dtype, t.shape)
-        rows = self._run("all_gather", None, v)  # (n * shape[0], ...)
-        return rows.reshape(self._size, *t.shape)
+    def _rows(self, t):
+        """Every rank's `t`, stacked: (size, *t.shape)."""
+        return _F.all_gather_into_tensor(t.unsqueeze(0), self._size, self._name)
 
     def allgather(self, output_tensors, input_tensors, opts):
         if self._route(input_tensors + [o for out in output_tensors for o in out],
                        "allgather") == "cpu":
-            return self._cpu_group().allgather(output_tensors, input_tensors, opts)
-        arrays = []
-        for outs, t in zip(output_tensors, input_tensors):
+            return self._cpu.allgather(output_tensors, input_tensors, opts)
+        for outs in output_tensors:
             if len(outs) != self._size:
                 raise RuntimeError(f"ProcessGroupTPU::allgather: expected {self._size} output "
                                    f"tensors, got {len(outs)}")
-            rows = self._gather_rows("all_gather", t)
-            for r, o in enumerate(outs):
-                _assign(o, rows[r])
-            arrays.append(rows)
-        return self._done(output_tensors, arrays)
+        with self._calls("all_gather", input_tensors):
+            for outs, t in zip(output_tensors, input_tensors):
+                rows = self._rows(t)
+                for r, o in enumerate(outs):
+                    o.copy_(rows[r])
+        return self._work(output_tensors, [o for outs in output_tensors for o in outs])
 
     def allgather_coalesced(self, output_lists, input_list, opts):
         return self.allgather(output_lists, input_list, opts)
 
-    def all_gather_single(self, output, input, opts):
-        if self._route([output, input], "all_gather_into_tensor") == "cpu":
-            return self._cpu_group()._allgather_base(output, input, opts)
+    def _check_gather_sizes(self, output, input, who):
         if output.numel() != input.numel() * self._size or output.dtype != input.dtype:
             raise ValueError(
-                "ProcessGroupTPU::all_gather_into_tensor: output tensor must have "
-                f"{self._size} times the input's elements and the same dtype, got output "
-                f"{tuple(output.shape)} {output.dtype} and input {tuple(input.shape)} {input.dtype}")
-        (v,) = self._values([input])
-        self._expect("all_gather", "into_tensor", input.dtype, input.shape)
-        rows = self._run("all_gather", None, v)
-        _assign(output, rows)
-        return self._done([output], [rows])
+                f"ProcessGroupTPU::{who}: output tensor must have {self._size} times the "
+                f"input's elements and the same dtype, got output {tuple(output.shape)} "
+                f"{output.dtype} and input {tuple(input.shape)} {input.dtype}")
+
+    def _gather_into(self, output, input):
+        flat = input.reshape(-1)
+        if output.is_contiguous():
+            _F.all_gather_into_tensor_out(flat, self._size, self._name, out=output.view(-1))
+        else:
+            output.copy_(_F.all_gather_into_tensor(flat, self._size, self._name).view(output.shape))
+
+    def all_gather_single(self, output, input, opts):
+        if self._route([output, input], "all_gather_into_tensor") == "cpu":
+            return self._cpu._allgather_base(output, input, opts)
+        self._check_gather_sizes(output, input, "all_gather_into_tensor")
+        with self._calls("all_gather", [input]):
+            self._gather_into(output, input)
+        return self._work([output])
 
     _allgather_base = all_gather_single
 
-    def _each(self, collective, outputs, inputs, opts):
-        """A coalesced call: `collective` per (output, input) pair, one Work for all."""
-        works = [collective(o, i, opts) for o, i in zip(outputs, inputs)]
-        return self._done(outputs, [a for w in works for a in w._arrays])
-
     def all_gather_single_coalesced(self, outputs, inputs, opts):
-        return self._each(self.all_gather_single, outputs, inputs, opts)
+        if self._route(outputs + inputs, "all_gather_into_tensor_coalesced") == "cpu":
+            return self._cpu.allgather_into_tensor_coalesced(outputs, inputs, opts)
+        for o, i in zip(outputs, inputs):
+            self._check_gather_sizes(o, i, "all_gather_into_tensor_coalesced")
+        with self._calls("all_gather", inputs):
+            gathered = _F.all_gather_into_tensor_coalesced(
+                [i.reshape(-1) for i in inputs], self._size, self._name)
+            for o, g in zip(outputs, gathered):
+                o.copy_(g.view(o.shape))
+        return self._work(outputs)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def gather(self, output_tensors, input_tensors, opts):
         if self._route(input_tensors + [o for out in output_tensors for o in out],
                        "gather") == "cpu":
-            return self._cpu_group().gather(output_tensors, input_tensors, opts)
+            return self._cpu.gather(output_tensors, input_tensors, opts)
         (t,) = input_tensors
-        rows = self._gather_rows("gather", t, opts.rootRank)
-        if self._rank == opts.rootRank:
-            outs = output_tensors[0]
-            if len(outs) != self._size:
-                raise RuntimeError(f"ProcessGroupTPU::gather: expected {self._size} output "
-                                   f"tensors on the root, got {len(outs)}")
-            for r, o in enumerate(outs):
-                _assign(o, rows[r])
-        return self._done(output_tensors, [rows])
+        root = self._rank == opts.rootRank
+        if root and len(output_tensors[0]) != self._size:
+            raise RuntimeError(f"ProcessGroupTPU::gather: expected {self._size} output "
+                               f"tensors on the root, got {len(output_tensors[0])}")
+        with self._calls("gather", [t]):
+            rows = self._rows(t)
+            if root:
+                for r, o in enumerate(output_tensors[0]):
+                    o.copy_(rows[r])
+        return self._work(output_tensors, output_tensors[0] if root else [])
 
     # --- scatters -----------------------------------------------------------------------
+    def _scatter_into(self, output, input, op):
+        flat = input.reshape(-1)
+        out_variant = getattr(_F, "reduce_scatter_tensor_out", None)
+        if output.is_contiguous() and out_variant is not None:
+            out_variant(flat, op, self._size, self._name, out=output.view(-1))
+        else:
+            output.copy_(_F.reduce_scatter_tensor(flat, op, self._size, self._name).view(output.shape))
+
     def reduce_scatter(self, output_tensors, input_tensors, opts):
         if self._route(output_tensors + [i for ins in input_tensors for i in ins],
                        "reduce_scatter") == "cpu":
-            return self._cpu_group().reduce_scatter(output_tensors, input_tensors, opts)
+            return self._cpu.reduce_scatter(output_tensors, input_tensors, opts)
         op = _reduce_op(opts, "reduce_scatter")
-        arrays = []
-        for out, ins in zip(output_tensors, input_tensors):
+        for ins in input_tensors:
             if len(ins) != self._size:
                 raise RuntimeError(f"ProcessGroupTPU::reduce_scatter: expected {self._size} "
                                    f"input tensors, got {len(ins)}")
-            vals = self._values(ins)
-            self._expect("reduce_scatter", op, out.dtype, out.shape)
-            # Row j of the stack is this rank's contribution to rank j's result.
-            res = self._run("reduce_scatter", op, jnp.stack([v.reshape(-1) for v in vals]))
-            _assign(out, res.reshape(out.shape))
-            arrays.append(res)
-        return self._done(output_tensors, arrays)
+        with self._calls("reduce_scatter", [i for ins in input_tensors for i in ins]):
+            for out, ins in zip(output_tensors, input_tensors):
+                # Row j of the stack is this rank's contribution to rank j's result.
+                self._scatter_into(out, torch.stack([i.reshape(-1) for i in ins]), op)
+        return self._work(output_tensors)
+
+    def _check_scatter_sizes(self, output, input, who):
+        if input.numel() != output.numel() * self._size or output.dtype != input.dtype:
+            raise ValueError(
+                f"ProcessGroupTPU::{who}: input tensor must have {self._size} times the "
+                f"output's elements and the same dtype, got input {tuple(input.shape)} "
+                f"{input.dtype} and output {tuple(output.shape)} {output.dtype}")
 
     def reduce_scatter_single(self, output, input, opts):
         if self._route([output, input], "reduce_scatter_tensor") == "cpu":
-            return self._cpu_group()._reduce_scatter_base(output, input, opts)
-        if input.numel() != output.numel() * self._size or output.dtype != input.dtype:
-            raise ValueError(
-                "ProcessGroupTPU::reduce_scatter_tensor: input tensor must have "
-                f"{self._size} times the output's elements and the same dtype, got input "
-                f"{tuple(input.shape)} {input.dtype} and output {tuple(output.shape)} {output.dtype}")
+            return self._cpu._reduce_scatter_base(output, input, opts)
+        self._check_scatter_sizes(output, input, "reduce_scatter_tensor")
         op = _reduce_op(opts, "reduce_scatter_tensor")
-        (v,) = self._values([input])
-        self._expect("reduce_scatter", (op, "tensor"), input.dtype, input.shape)
-        if input.dim() == 0 or input.shape[0] % self._size:
-            v = v.reshape(self._size, -1)
-        res = self._run("reduce_scatter", op, v)
-        _assign(output, res.reshape(output.shape))
-        return self._done([output], [res])
+        with self._calls("reduce_scatter", [input]):
+            self._scatter_into(output, input, op)
+        return self._work([output])
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
-        return self._each(self.reduce_scatter_single, outputs, inputs, opts)
+        if self._route(outputs + inputs, "reduce_scatter_tensor_coalesced") == "cpu":
+            return self._cpu.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+        for o, i in zip(outputs, inputs):
+            self._check_scatter_sizes(o, i, "reduce_scatter_tensor_coalesced")
+        op = _reduce_op(opts, "reduce_scatter_tensor_coalesced")
+        with self._calls("reduce_scatter", inputs):
+            scattered = _F.reduce_scatter_tensor_coalesced(
+                [i.reshape(-1) for i in inputs], op, self._size, self._name)
+            for o, s in zip(outputs, scattered):
+                o.copy_(s.view(o.shape))
+        return self._work(outputs)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def scatter(self, output_tensors, input_tensors, opts):
         if self._route(output_tensors + [i for ins in input_tensors for i in ins],
                        "scatter") == "cpu":
-            return self._cpu_group().scatter(output_tensors, input_tensors, opts)
+            return self._cpu.scatter(output_tensors, input_tensors, opts)
         (out,) = output_tensors
-        if self._rank == opts.rootRank:
-            ins = input_tensors[0]
-            if len(ins) != self._size:
-                raise RuntimeError(f"ProcessGroupTPU::scatter: expected {self._size} input "
-                                   f"tensors on the root, got {len(ins)}")
-            stacked = jnp.stack(self._values(ins))
-        else:
-            fused.flush(FlushReason.COLLECTIVE)
-            stacked = jnp.zeros((self._size, *out.shape), to_jax_dtype(out.dtype),
-                                device=runtime.jax_device(out.device.index))
-        self._expect("scatter", opts.rootRank, out.dtype, out.shape)
-        received = self._run("all_to_all", None, stacked)  # row j: what rank j sent me
-        _assign(out, received[opts.rootRank])
-        return self._done([out], [received])
+        root = self._rank == opts.rootRank
+        if root and len(input_tensors[0]) != self._size:
+            raise RuntimeError(f"ProcessGroupTPU::scatter: expected {self._size} input "
+                               f"tensors on the root, got {len(input_tensors[0])}")
+        with self._calls("scatter", input_tensors[0] if root else []):
+            if root:
+                stacked = torch.stack([i.reshape(-1) for i in input_tensors[0]])
+            else:
+                stacked = torch.zeros(self._size, out.numel(), dtype=out.dtype, device=out.device)
+            # Row j of what arrives: what rank j sent this rank.
+            received = self._exchange(stacked)
+            out.copy_(received[opts.rootRank].view(out.shape))
+        return self._work([out])
 
     # --- all-to-all ---------------------------------------------------------------------
-    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
-                          opts):
+    def _exchange(self, x):
+        """all_to_all of equal chunks: the j-th of x's dim-0 blocks goes to rank j."""
+        k = x.shape[0] // self._size
+        return _F.all_to_all_single(x, [k] * self._size, [k] * self._size, self._name)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts):
         if self._route([output, input], "all_to_all_single") == "cpu":
-            return self._cpu_group().alltoall_base(output, input, output_split_sizes,
-                                                   input_split_sizes, opts)
+            return self._cpu.alltoall_base(output, input, output_split_sizes,
+                                           input_split_sizes, opts)
         n = self._size
-        (v,) = self._values([input])
-        rest = tuple(input.shape[1:])
+        ins = list(input_split_sizes) or [input.shape[0] // n] * n
+        outs = list(output_split_sizes) or [output.shape[0] // n] * n
         if not output_split_sizes and not input_split_sizes:
             if input.shape[0] % n or output.shape != input.shape:
                 raise ValueError(
                     "ProcessGroupTPU::all_to_all_single: without split sizes, input and output "
                     f"must have the same shape with dim 0 divisible by {n}, got input "
                     f"{tuple(input.shape)} and output {tuple(output.shape)}")
-            self._expect("all_to_all", None, input.dtype, input.shape)
-            res = self._run("all_to_all", None, v)
-            _assign(output, res.reshape(output.shape))
-            return self._done([output], [res])
-        ins = list(input_split_sizes) or [input.shape[0] // n] * n
-        outs = list(output_split_sizes) or [output.shape[0] // n] * n
-        if sum(ins) != input.shape[0] or sum(outs) != output.shape[0] or len(ins) != n \
+        elif sum(ins) != input.shape[0] or sum(outs) != output.shape[0] or len(ins) != n \
                 or len(outs) != n:
             raise ValueError("ProcessGroupTPU::all_to_all_single: split sizes do not match the "
                              f"tensors: input {tuple(input.shape)} split {ins}, output "
                              f"{tuple(output.shape)} split {outs}")
-        self._expect("all_to_all_uneven", None, input.dtype, rest)
-        # Every rank learns every split, pads its chunks to the largest one, and exchanges
-        # equal-sized chunks; the padding is cut off on arrival.
-        splits = np.asarray(self._run("all_gather", None, jax.device_put(
-            np.asarray(ins, np.int64), runtime.jax_device(input.device.index)))).reshape(n, n)
-        if list(splits[:, self._rank]) != outs:
+        with self._calls("all_to_all", [input]):
+            if len(set(ins)) == 1 and len(set(outs)) == 1 and ins == outs:
+                output.copy_(self._exchange(input))
+            else:
+                self._uneven_all_to_all(output, input, ins, outs)
+        return self._work([output])
+
+    def _uneven_all_to_all(self, output, input, ins, outs):
+        """Every rank learns every split (a host read: the sizes decide the program), pads its
+        chunks to the largest one, and exchanges equal chunks; the padding is cut off."""
+        n = self._size
+        sizes = torch.tensor(ins, dtype=torch.int64, device=input.device)
+        splits = self._rows(sizes).cpu()  # (n, n): row r is what rank r sends
+        if splits[:, self._rank].tolist() != outs:
             raise RuntimeError(
                 f"ProcessGroupTPU::all_to_all_single: rank {self._rank} expects chunks of "
-                f"{outs} rows but the other ranks send {list(splits[:, self._rank])}")
+                f"{outs} rows but the other ranks send {splits[:, self._rank].tolist()}")
         chunk = max(int(splits.max()), 1)
-        starts = np.concatenate([[0], np.cumsum(ins)])
-        padded = jnp.stack([jnp.pad(v[starts[j]:starts[j + 1]],
-                                    [(0, chunk - ins[j])] + [(0, 0)] * len(rest))
-                            for j in range(n)])
-        res = self._run("all_to_all", None, padded.reshape(n * chunk, *rest)).reshape(
-            n, chunk, *rest)
-        _assign(output, jnp.concatenate([res[j, :outs[j]] for j in range(n)]))
-        return self._done([output], [res])
+        rest = tuple(input.shape[1:])
+        padded = input.new_zeros((n, chunk, *rest))
+        for j, piece in enumerate(input.split(ins)):
+            padded[j, :ins[j]] = piece
+        received = self._exchange(padded.view(n * chunk, *rest))
+        received = received.view(n, chunk, *rest)
+        output.copy_(torch.cat([received[j, :outs[j]] for j in range(n)]))
 
     alltoall_base = all_to_all_single
 
     def alltoall(self, output_tensors, input_tensors, opts):
         if self._route(output_tensors + input_tensors, "alltoall") == "cpu":
-            return self._cpu_group().alltoall(output_tensors, input_tensors, opts)
+            return self._cpu.alltoall(output_tensors, input_tensors, opts)
         dtype = input_tensors[0].dtype
         if any(t.dtype != dtype for t in output_tensors + input_tensors):
             raise ValueError("ProcessGroupTPU::alltoall: all tensors must have the same dtype")
         flat_in = torch.cat([t.reshape(-1) for t in input_tensors])
         flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=dtype,
                                device=flat_in.device)
-        work = self.all_to_all_single(flat_out, flat_in, [t.numel() for t in output_tensors],
-                                      [t.numel() for t in input_tensors], opts)
+        self.all_to_all_single(flat_out, flat_in, [t.numel() for t in output_tensors],
+                               [t.numel() for t in input_tensors], opts)
         with torch._C._AutoDispatchBelowADInplaceOrView():
             for o, piece in zip(output_tensors, flat_out.split([t.numel() for t in output_tensors])):
                 o.copy_(piece.view(o.shape))
-        return self._done(output_tensors, work._arrays)
+        return self._work(output_tensors)
 
     # --- point to point -----------------------------------------------------------------
     # JAX has no one-sided transfer between processes: a program must run on both ends, so
@@ -518,17 +533,17 @@ class ProcessGroupTPU(dist.ProcessGroup):
     # therefore goes through the group's gloo side, staged through host memory.
     def send(self, tensors, dst, tag=0):
         if self._route(tensors, "send") == "cpu":
-            return self._cpu_group().send(tensors, dst, tag)
+            return self._cpu.send(tensors, dst, tag)
         host = [t.detach().cpu() for t in tensors]
         metrics.counters["collective::send"] += 1
-        return self._cpu_group().send(host, dst, tag)
+        return self._cpu.send(host, dst, tag)
 
     def recv(self, tensors, src, tag=0):
         if self._route(tensors, "recv") == "cpu":
-            return self._cpu_group().recv(tensors, src, tag)
+            return self._cpu.recv(tensors, src, tag)
         host = [torch.empty(t.shape, dtype=t.dtype) for t in tensors]
         metrics.counters["collective::recv"] += 1
-        return _ReceiveWork(self._cpu_group().recv(host, src, tag), host, tensors)
+        return _ReceiveWork(self._cpu.recv(host, src, tag), host, tensors)
 
     def recv_anysource(self, tensors, tag=0):
         raise RuntimeError("ProcessGroupTPU does not support recv from any source; name the "
@@ -562,7 +577,16 @@ class _ReceiveWork(dist._Work):
         return self._tensors
 
 
+_hooks_installed = []
+
+
 def create(opts, backend_options=None):
     """The creator registered with `dist.Backend.register_backend("tpu", ..., extended_api=True)`."""
+    if not _hooks_installed:
+        spmd.on_dispatch(_dispatched)
+        spmd.on_failure(_failed)
+        spmd.on_mismatch(_disagreed)
+        sync.before_blocking(_wait_in_flight)
+        _hooks_installed.append(True)
     return ProcessGroupTPU(opts.store, opts.group_rank, opts.group_size, opts.timeout,
                            opts.global_ranks_in_group, str(opts.group_id))

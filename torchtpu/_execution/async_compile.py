@@ -131,7 +131,9 @@ def run(kernel, compiled, vals, buffers, scalars, device):
         try:
             return kernel.finish(compiled, vals, fn.last(*arrays, *scalars), buffers, device)
         except (TypeError, ValueError):
-            pass  # another signature (see Executable.__call__)
+            if fn.fits_last((*arrays, *scalars)):
+                raise  # it ran, and failed
+            # another signature (see Executable.__call__)
     # Values of other kinds (a fused trace's) are read outside the lock: reading them may run
     # the fused trace, which holds its own lock.
     inputs = [b._array if queued(b._array) else b.value() for b in buffers]
@@ -286,6 +288,7 @@ def _release(op):
 
 def _set(pendings, arrays):
     for p, arr in zip(pendings, arrays):
+        p.result = arr
         if p.slot in _queue.uses:  # a queued op reads it; else only its tensor holds it
             _queue.values[p.slot] = arr
         owner = p.owner() if p.owner is not None else None

@@ -102,6 +102,12 @@ def _arange_out(start, end, step=1, *, out):
     _check_arange(start, end, step, out.dtype)
     n = torch.arange(start, end, step, dtype=out.dtype, device="meta").numel()
     kernel = kernel_for(aten.arange.start_out)
+    if out.numel() == 0 and n:
+        # `torch.arange(n, device=...)` fills a fresh empty tensor: sized here, the op runs
+        # as any other (resized by the kernel, it would run and be waited for at once, as ops
+        # whose out= is resized are, to keep out's layout if a device-side check failed;
+        # arange has none).
+        out.resize_(n)
     if out.numel() != n or out.dim() == 1:
         return kernel(start, end, step, out=out)
     return out.copy_(kernel(start, end, step, out=out.new_empty(n)).view(out.shape))

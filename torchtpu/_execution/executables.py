@@ -141,8 +141,8 @@ class Executable:
     report; `traced`: (save, restore) of what tracing learns besides the program (an op's
     index-check messages): save() is stored with the entry, restore(value) runs on a load."""
 
-    __slots__ = ("jitted", "key", "name", "describe", "traced", "last", "built", "lock",
-                 "compiling")
+    __slots__ = ("jitted", "key", "name", "describe", "traced", "last", "last_sig", "built",
+                 "lock", "compiling")
 
     def __init__(self, fn, key, name, describe=None, traced=None, **options):
         self.jitted = jax.jit(fn, **options)
@@ -153,6 +153,7 @@ class Executable:
         # The executable of the latest signature used: the call's fast path (a chain of ops
         # that starts from a flat storage, e.g. randn's, then goes on with shaped ones).
         self.last = None
+        self.last_sig = None  # its signature
         self.built = {}    # signature -> jax.stages.Compiled
         self.compiling = {}  # signature -> Future of the Compiled, while a worker builds it
         self.lock = threading.Lock()
@@ -164,13 +165,24 @@ class Executable:
                 return last(*args)
             except (TypeError, ValueError):
                 # Arguments of another signature (refused before running anything: another
-                # shape is a TypeError, another device a ValueError); a real error is raised
-                # again by the same executable below.
-                pass
+                # shape is a TypeError, another device a ValueError).  An error of the program
+                # itself (XLA:CPU's gloo reports a lost peer as a ValueError) is not run again.
+                if self.fits_last(args):
+                    raise
         return self.prepare(*args)(*args)
+
+    def fits_last(self, args):
+        """Whether `args` have the signature of `last` (it ran on them, and failed)."""
+        return self.last_sig is not None and signature(args) == self.last_sig
 
     def has(self, *args):
         return signature(args) in self.built
+
+    def lower(self, *args):
+        return self.jitted.lower(*args)
+
+    def eval_shape(self, *args):
+        return jax.eval_shape(self.jitted, *args)
 
     def prepare(self, *args):
         """The executable for these arguments' signature, built or loaded if new."""
@@ -180,7 +192,7 @@ class Executable:
             compiled = self._start(args, sig, pool=None)
             if isinstance(compiled, concurrent.futures.Future):
                 compiled = compiled.result()
-        self.last = compiled
+        self.last, self.last_sig = compiled, sig
         return compiled
 
     def start(self, args, pool):
@@ -193,7 +205,7 @@ class Executable:
         if compiled is None:
             return self._start(args, sig, pool)
         if not isinstance(compiled, concurrent.futures.Future):
-            self.last = compiled
+            self.last, self.last_sig = compiled, sig
         return compiled
 
     def _accepting(self, args):
@@ -251,7 +263,7 @@ class Executable:
     def _keep(self, sig, compiled):
         self.built[sig] = compiled
         if self.last is None:
-            self.last = compiled
+            self.last, self.last_sig = compiled, sig
 
     def _compile_in_worker(self, traced, sig, entry_key):
         try:

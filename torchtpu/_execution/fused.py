@@ -29,9 +29,10 @@ import torch
 
 from .._core import storage
 from .._core.storage import Failed, Pending
-from . import async_compile, bounded, debug, executables, modes, sync
+from . import async_compile, bounded, debug, executables, modes, spmd, sync
 from .._core import metrics
 from .._core.metrics import FlushReason
+from .random import next_key_parts
 
 max_ops = int(os.environ.get("TORCHTPU_FUSE_MAX_OPS", "2048"))
 # Eager rounds every op's result to its dtype; XLA by default may keep a fused chain of
@@ -40,9 +41,9 @@ max_ops = int(os.environ.get("TORCHTPU_FUSE_MAX_OPS", "2048"))
 EAGER_ROUNDING = {"xla_allow_excess_precision": False}
 
 
-class _Trace:
+class Trace:
     __slots__ = ("device", "signature", "where", "ext_arrays", "ext_ids", "scalars", "pendings",
-                 "captured", "in_backward", "ran_backward", "ext_buffers", "ext_queued")
+                 "captured", "in_backward", "ran_backward", "ext_buffers", "ext_queued", "mesh")
 
     def __init__(self, device):
         self.device = device
@@ -61,10 +62,39 @@ class _Trace:
         # torch.tpu graphs: external index -> the value a strict op still queued behind its
         # compile will give that storage (async_compile); its ext_arrays entry describes it.
         self.ext_queued = None
+        # The mesh of the process group whose collectives it holds (None: none): the trace
+        # runs on every rank of it (spmd.py); a collective of another group starts a new trace.
+        self.mesh = None
 
     def flush(self, reason):
         """Run the pending trace: a `Pending` value of this trace is being read."""
         flush(reason)
+
+    def live_outputs(self):
+        """The pending values that storages still hold: what running the trace must give."""
+        live = []
+        for p in self.pendings:
+            owner = p.owner()
+            if owner is not None and owner._array is p:
+                live.append(p)
+        return live
+
+    def random_positions(self):
+        """(position in `scalars`, draws) of each random op's (seed, offset) pair."""
+        found, pos = [], 0
+        for (compiled, _, n), (kernel, _) in zip(self.signature, self.where):
+            if kernel.low.random:
+                found.append((pos, compiled.draws))
+            pos += n
+        return found
+
+    def release(self):
+        """Drop the arrays it read.  The trace and its Pending values refer to each other, so
+        only the cyclic garbage collector frees it: until then, the arrays it read would stay
+        referenced, and the next program could not donate them."""
+        self.ext_arrays.clear()
+        self.ext_ids.clear()
+        self.pendings.clear()
 
 
 # One trace for the process, recorded and flushed under one lock: threads in fused mode append
@@ -93,13 +123,25 @@ def _record(kernel, compiled, vals, buffers, scalars, device):
     if tr is None or tr.device != device:
         if tr is not None:
             flush(FlushReason.DEVICE_CHANGE)
-        tr = _trace = _Trace(device)
+        tr = _trace = Trace(device)
     if (_graph_task_id() >= 0) is not tr.in_backward:
         if not tr.in_backward and tr.signature and not tr.captured:
             flush(FlushReason.BACKWARD)
-            tr = _trace = _Trace(device)
+            tr = _trace = Trace(device)
         tr.in_backward = not tr.in_backward
         tr.ran_backward |= tr.in_backward
+    mesh = compiled.program.mesh
+    if mesh is not None and tr.mesh is not mesh:
+        if tr.mesh is not None:
+            if tr.captured:
+                raise CaptureBroken(
+                    "a captured step holds collectives of two process groups, which one program "
+                    "cannot run", FlushReason.GROUP_CHANGE, kernel.overload, debug.user_frame(3))
+            flush(FlushReason.GROUP_CHANGE)
+            in_backward = tr.in_backward
+            tr = _trace = Trace(device)
+            tr.in_backward = in_backward
+        tr.mesh = mesh
     # An input is either a slot produced earlier in this trace (>= 0) or an external array (< 0).
     wiring = []
     for b in buffers:
@@ -181,7 +223,7 @@ def start_capture(device, by_storage=False):
     flush(FlushReason.CAPTURE)
     previous = modes.own_mode()
     set_thread_mode(modes.EagerMode.DEFER_AND_FUSE)
-    tr = _trace = _Trace(device)
+    tr = _trace = Trace(device)
     tr.captured = True
     if by_storage:
         tr.ext_buffers = []
@@ -266,11 +308,7 @@ def _flush(tr, reason, op):
         counters[kernel.metric_key] += 1
     counters["flushes"] += 1
     counters[f"flush::{reason}"] += 1
-    outputs = []
-    for p in tr.pendings:
-        owner = p.owner()
-        if owner is not None and owner._array is p:
-            outputs.append(p.slot)
+    outputs = [p.slot for p in tr.live_outputs()]
     scalar_types = tuple(map(type, tr.scalars))
     key = (tuple(tr.signature), tuple(outputs), scalar_types)
     segment = _segments.lookup(key)
@@ -288,7 +326,11 @@ def _flush(tr, reason, op):
                 if any(checks):
                     sync.defer(checks, segment.check_error(
                         list(tr.where), f"a fused op; its segment ran because of {reason}"))
-            except Exception:
+            except Exception as e:
+                if segment.mesh is not None:
+                    # Its collectives cannot run again on this rank alone.
+                    _fail_all(tr, e)
+                    raise
                 failed = -1
             if failed is not None:
                 _replay_and_raise(tr, reason)
@@ -301,12 +343,7 @@ def _flush(tr, reason, op):
             if results:
                 sync.track(results[0])
     finally:
-        # The trace and its Pending values refer to each other, so only the cyclic garbage
-        # collector frees it: until then, the arrays it read would stay referenced, and the
-        # next segment could not donate them.
-        tr.ext_arrays.clear()
-        tr.ext_ids.clear()
-        tr.pendings.clear()
+        tr.release()
 
 
 @contextlib.contextmanager
@@ -360,6 +397,27 @@ def _unpack_scalars(packed, types):
     return values
 
 
+class PackedScalars:
+    """A recorded op sequence's Python numbers packed once (pack_scalars), with its random ops'
+    (seed, offset) pairs, drawn anew for every run (`for_run`)."""
+
+    __slots__ = ("arrays", "other", "random", "device")
+
+    def __init__(self, scalars, types, random, device):
+        self.arrays, self.other = pack_scalars(scalars, types)
+        in_other = [i for i, t in enumerate(types) if t not in PACKED]
+        self.random = [(in_other.index(pos), draws) for pos, draws in random]
+        self.device = device
+
+    def for_run(self):
+        if not self.random:
+            return self.arrays, self.other
+        other = list(self.other)
+        for i, draws in self.random:
+            other[i], other[i + 1] = next_key_parts(self.device, draws)
+        return self.arrays, other
+
+
 def _as_weak(v):
     from jax._src.lax.lax import _convert_element_type
     return _convert_element_type(v, weak_type=True)
@@ -393,7 +451,8 @@ class Segment:
     inputs, compile/cache-hit accounting (`{kind}_compiles`, `{kind}_cache_hits`) and finding
     the op whose index check failed.  `prepare` then `run`."""
 
-    __slots__ = ("structure", "executables", "has_checks", "kind", "key", "name", "patterns")
+    __slots__ = ("structure", "executables", "has_checks", "kind", "key", "name", "patterns",
+                 "mesh", "collectives")
 
     def __init__(self, signature, outputs, scalar_types, kind, guarded=()):
         self.structure = (signature, outputs, scalar_types, tuple(guarded))
@@ -404,6 +463,9 @@ class Segment:
         names = [c.fn.name for c, _, _ in signature[:1] + signature[-1:] if hasattr(c.fn, "name")]
         self.name = f"segment of {len(signature)} ops ({' .. '.join(names)})"
         self.patterns = None  # donation patterns built, here or by earlier processes
+        # Collectives: the program runs on every rank of their group (spmd.py).
+        self.mesh = next((c.mesh for c, _, _ in signature if c.mesh is not None), None)
+        self.collectives = [c.collective for c, _, _ in signature if c.collective is not None]
 
     def learn_checks(self, ext_arrays, packed_scalars):
         """Trace the segment abstractly the first time it is seen: whether its ops check
@@ -416,17 +478,41 @@ class Segment:
             executables.remember("checks", self.key, self.has_checks)
 
     def _trace_checks(self, ext_arrays, packed_scalars):
-        jax.eval_shape(segment_function(*self.structure, (False,) * len(ext_arrays)),
-                       [], ext_arrays, packed_scalars)
+        self._make((False,) * len(ext_arrays)).eval_shape([], ext_arrays, packed_scalars)
         return any(c.check_info for c, _, _ in self.structure[0])
 
+    def _make(self, donate):
+        """The (unbuilt) executable of this donation pattern."""
+        function = segment_function(*self.structure, donate)
+        key = None if self.key is None else f"{self.key} donating {donate}"
+        options = dict(traced=checks_info(self.structure[0]), compiler_options=EAGER_ROUNDING,
+                       donate_argnums=(0,) if any(donate) else ())
+        if self.mesh is not None:
+            return spmd.Program(function, self.mesh, self.collectives, key, self.name,
+                                self.name, **options)
+        return executables.Executable(function, key, self.name, **options)
+
     def donation(self, ext_arrays, held=None):
-        """Per input array: may the segment consume it?  Only in segments without index
-        checks, whose failure must be replayed from intact inputs, and only arrays nothing
-        else refers to (see `unshared`)."""
-        if self.has_checks is not False:
+        """Per input array: may the segment consume it?  Only arrays nothing else refers to
+        (see `unshared`), and where an index check can fail only if the program keeps the
+        storages it overwrites (`guarded`: graphs); a fused segment's failure is replayed from
+        intact inputs instead."""
+        if self.has_checks is not False and not self.structure[3]:
             return (False,) * len(ext_arrays)
         return unshared(ext_arrays, held)
+
+    def prebuild(self, ext_arrays, donate, packed_scalars):
+        """Start building the executable of this donation pattern (traced here, so what the
+        lowerings refuse raises here; compiled on a thread of its own, or loaded), before its
+        first run, which waits for it."""
+        start = time.perf_counter()
+        fn = self._make(donate)
+        with donation_warnings_ignored():
+            async_compile.prebuild(fn, (*_split(ext_arrays, donate), packed_scalars), ahead=True)
+        self.executables[donate] = fn
+        self.has_checks = any(c.check_info for c, _, _ in self.structure[0])
+        metrics.counters[f"{self.kind}_compiles"] += 1
+        metrics.counters["compile_seconds"] += time.perf_counter() - start
 
     def prepare(self, ext_arrays, packed_scalars, held=None):
         """Everything before running: learn the checks, choose the donation and compile its
@@ -465,11 +551,7 @@ class Segment:
         """The executable for this donation pattern, compiled if new."""
         fn = self.executables.get(donate)
         if fn is None:
-            fn = executables.Executable(
-                segment_function(*self.structure, donate),
-                None if self.key is None else f"{self.key} donating {donate}", self.name,
-                traced=checks_info(self.structure[0]),
-                donate_argnums=(0,) if any(donate) else (), compiler_options=EAGER_ROUNDING)
+            fn = self._make(donate)
             with donation_warnings_ignored():
                 fn.prepare(*_split(ext_arrays, donate), packed_scalars)
             self.executables[donate] = fn
@@ -511,9 +593,7 @@ class Segment:
         return error
 
     def lower(self, ext_arrays, packed_scalars):
-        fn = jax.jit(segment_function(*self.structure, (False,) * len(ext_arrays)),
-                     compiler_options=EAGER_ROUNDING)
-        return fn.lower([], ext_arrays, packed_scalars)
+        return self._make((False,) * len(ext_arrays)).lower([], ext_arrays, packed_scalars)
 
 
 @contextlib.contextmanager
@@ -616,6 +696,12 @@ def _replay_and_raise(tr, reason):
     _commit(tr, slots)
 
 
+def _fail_all(tr, error):
+    """Every value the trace would have given is lost."""
+    for p in tr.live_outputs():
+        p.owner()._array = Failed(error)
+
+
 def _commit(tr, slots):
     for p, array in zip(tr.pendings, slots):
         if array is None:
@@ -637,6 +723,12 @@ def install():
 
 def pending_ops():
     return 0 if _trace is None else len(_trace.signature)
+
+
+def current_trace():
+    """The trace being recorded (None: nothing deferred)."""
+    tr = _trace
+    return tr if tr is not None and tr.signature else None
 
 
 def clear_cache():

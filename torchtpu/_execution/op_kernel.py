@@ -24,16 +24,17 @@ from .._core import runtime, storage
 from .._core.dtypes import cast, to_jax_dtype, to_torch_dtype
 from .._core import registry
 from .._lowerings.meta import dtype_name
-from . import async_compile, bounded, debug, executables, fused, modes, overlap, strided, sync
+from . import async_compile, bounded, debug, executables, fused, modes, overlap, spmd, strided, sync
 from .._core import metrics
 from .._core.metrics import FlushReason
-from .random import next_key_parts, key_from_parts
+from .random import draw_advance, generator, key_from_parts, next_key_parts
 
 _T, _TOPT, _TLIST, _SCALAR, _STATIC, _DEVICE, _SCALARLIST = range(7)
 _meta_device = torch.device("meta")
 _FUSED, _BLOCKING = modes.EagerMode.DEFER_AND_FUSE, modes.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
 _STRICT = modes.EagerMode.DEFER_NEVER
 _MAX_VARIANTS = 256  # output layouts kept per executable (see OpKernel._variant)
+_NO_KEY = np.uint64(0)  # a random op's seed and offset before they are drawn
 
 
 class _Arg:
@@ -94,7 +95,8 @@ class _Number:
 
 class _Compiled:
     __slots__ = ("key", "fn", "run", "out_specs", "wrap_specs", "writes", "check_info", "returns",
-                 "list_len", "recheck_overlap", "meta_returns", "variants", "program")
+                 "list_len", "recheck_overlap", "meta_returns", "variants", "program", "draws",
+                 "mesh", "collective")
 
     def with_outputs(self, out_specs):
         """The same executable giving its outputs other layouts (`variants`).  `program`, the
@@ -198,10 +200,13 @@ class OpKernel:
         n = t.numel()
         in_trace = modes.get_eager_mode() is _FUSED
         size = fill_bucket(n)
-        if n == 0 or not _partitionable_draws() or not t.is_contiguous() or size == n:
+        if n == 0 or not t.is_contiguous() or size == n:
             return self._call(args, kwargs, mode=_STRICT) if in_trace else None
         flat = torch.empty(size, dtype=t.dtype, device=t.device)
+        g = generator(storage.buffer_of(t).index)
+        start = g.offset
         self(flat, *args[1:], **kwargs)  # draws with the key this call would have used
+        g.offset = start + draw_advance(n)  # past this fill's n draws, not the bucket's
         if not fused.replace_value(t, storage.buffer_of(flat).value()):
             t.copy_(flat[:n].view(t.shape))
         return t
@@ -257,8 +262,8 @@ class OpKernel:
         fused_mode = mode is _FUSED
         if scalars and not fused_mode:
             scalars = [_device_scalar(v, device) for v in scalars]
-        if self.low.random:
-            scalars = list(next_key_parts(device)) + scalars
+        if self.low.random:  # (seed, offset): drawn below, once the op's size is known
+            scalars = [_NO_KEY, _NO_KEY] + scalars
         if self.low.precision:
             key.append(torch.get_float32_matmul_precision())
         key.append(device)
@@ -273,6 +278,8 @@ class OpKernel:
                 overlap.check(self, vals, resized=True)
         if compiled.variants is not None:
             compiled = self._variant(compiled, vals, tuple(exact), buffers, scalars, device)
+        if self.low.random:
+            scalars[0], scalars[1] = next_key_parts(device, compiled.draws)
         if fused_mode and not (buffers or self.low.random) and _one_value(compiled) \
                 and not fused.capturing():
             # A single value made from Python numbers runs at once, outside the trace: code
@@ -280,11 +287,16 @@ class OpKernel:
             # tracker) would otherwise make the first step's segment differ from the later ones.
             fused_mode = False
             scalars = [_device_scalar(v, device) for v in scalars]
+        if fused_mode and compiled.mesh is not None and not spmd.in_program() \
+                and not fused.capturing():
+            fused.flush(FlushReason.COLLECTIVE, self.overload)  # a program of its own
+            fused_mode, mode = False, _STRICT
         if fused_mode:
             if not self.low.eager:
                 return fused.record(self, compiled, vals, buffers, scalars, device)
             fused.flush(FlushReason.DATA_DEPENDENT, self.overload)
-        if mode is _STRICT and async_compile.enabled() and not self.low.eager:
+        if mode is _STRICT and async_compile.enabled() and not self.low.eager \
+                and compiled.mesh is None:
             metrics.counters[self.metric_key] += 1
             return async_compile.run(self, compiled, vals, buffers, scalars, device)
         if mode is _BLOCKING:
@@ -323,6 +335,8 @@ class OpKernel:
         except Exception as e:
             raise debug.attributed(e, self.overload, debug.describe_inputs(vals),
                                    debug.user_frame(3)) from e
+        if compiled.mesh is not None:
+            sync.wait()  # (a collective: whether the ranks agreed on it, read at it)
         if modes.check_nans and not checks:
             bad = debug.first_non_finite(list(outs) + list(updated))
             if bad is not None:
@@ -453,7 +467,13 @@ class OpKernel:
         with metrics.span(f"torchtpu::compile {self.overload}"):
             compiled = self._build(vals, buffers, scalars, device)
         compiled.key = key
-        if not self.low.eager:
+        if compiled.mesh is not None:  # a collective: run on every rank of its group
+            compiled.fn = spmd.Program(
+                compiled.run, compiled.mesh, [compiled.collective],
+                self._persistent_key(key), str(self.overload), str(self.overload),
+                traced=(lambda: list(compiled.check_info), _restorer(compiled.check_info)))
+            metrics.counters["compiles"] += 1
+        elif not self.low.eager:
             compiled.fn = executables.Executable(
                 compiled.run, self._persistent_key(key), str(self.overload),
                 describe=lambda: debug.describe_key(key),
@@ -529,6 +549,15 @@ class OpKernel:
             storage.check_allocation(shape, stride, dtype, device)
         compiled.out_specs = out_specs
         compiled.wrap_specs = _wrap_specs(out_specs)
+        # How many elements a random op draws: none of its samplers draws more than its largest
+        # operand or result holds (random.py: the offset moves past them).
+        compiled.draws = max([math.prod(shape) for shape, _, _ in out_specs]
+                             + [m.numel() for m in tree_flatten((pos, kw))[0]
+                                if isinstance(m, torch.Tensor)], default=0)
+        compiled.mesh = compiled.collective = None
+        if self.low.mesh is not None:
+            compiled.mesh, group = self.low.mesh(*[vals[i] for i in self.functional_args])
+            compiled.collective = _collective_entry(self.overload, group, tree_flatten((pos, kw))[0])
         compiled.list_len = len(out_specs) if returns == [None] and self._returns_list() else 0
         if compiled.list_len:
             compiled.returns = ["list"]
@@ -634,7 +663,8 @@ class OpKernel:
 
         compiled.run = run
         compiled.fn = run  # jitted by _compile once the key is known, eager ops stay as they are
-        if modes.fused and not low.eager and write_targets and all(b.dtype is not None for b in buffers):
+        if (modes.fused and not low.eager and write_targets and low.mesh is None
+                and all(b.dtype is not None for b in buffers)):
             # Fused mode traces an op when its segment runs; an in-place or out= op is traced
             # abstractly here once, so that an input JAX refuses raises at the call, before the
             # op's targets (an out= resized by PyTorch's rules) are committed.
@@ -767,6 +797,19 @@ class OpKernel:
         return self._commit(compiled, vals, outs, updated, buffers, device)
 
 
+def _collective_entry(overload, group, args):
+    """A collective op's entry in its programs' signature (spmd.signature): its kind (an
+    in-place or out= variant is the same collective), group, dtype and shape."""
+    kind = overload._schema.name.split("::")[1]
+    kind = kind[:-len("_out")] if kind.endswith("_out") else kind.rstrip("_")
+    tensors = [t for t in args if isinstance(t, torch.Tensor)]
+    first = tensors[0] if tensors else None
+    if len(tensors) > 1 and "coalesced" in kind:
+        kind = f"{kind} of {len(tensors)}"
+    return spmd.describe_collective(kind, group, None if first is None else first.dtype,
+                                    () if first is None else first.shape)
+
+
 def _restorer(check_info):
     def restore(saved):
         check_info[:] = saved
@@ -810,11 +853,6 @@ def fill_bucket(n):
         return 1 << (n - 1).bit_length()
     step = 1 << ((n - 1).bit_length() - 4)
     return -(-n // step) * step
-
-
-def _partitionable_draws():
-    # Without it a fill's first n draws of a longer fill differ from a fill of n.
-    return jax.config.jax_threefry_partitionable
 
 
 def layout_key(t, buf, buffers, offset=None, stride=None):

@@ -37,8 +37,44 @@ _MAX_CHECKS = 256
 _before_wait = []
 
 
+# Run where the host blocks (wait, synchronize), after the queued work is dispatched: the
+# distributed layer bounds the wait for collective programs in flight by their group's timeout.
+_before_blocking = []
+
+
 def before_wait(fn):
     _before_wait.append(fn)
+
+
+def before_blocking(fn):
+    _before_blocking.append(fn)
+
+
+def _blocking():
+    _dispatch_queued()
+    if _before_blocking:
+        # Checks already computed first: a program that raises one (ranks that disagree on
+        # their collectives) may leave another waiting for a peer that never comes.
+        raise_ready()
+        for fn in _before_blocking:
+            fn()
+
+
+def raise_ready():
+    """Raise the first failure among the deferred checks that are computed (no wait)."""
+    with _lock:
+        ready = [c for c in _checks if _ready(c[0])]
+    for arrays, error in ready:
+        try:
+            values = jax.device_get(arrays)
+        except Exception:  # noqa: BLE001 - a program that failed: the wait reports it
+            return
+        e = error(values)
+        if e is not None:
+            with _lock:
+                _checks.clear()
+                _failed.clear()
+            raise e
 
 
 def _dispatch_queued():
@@ -57,7 +93,7 @@ def _live(array):
 
 
 def synchronize(index=None):
-    _dispatch_queued()
+    _blocking()
     pending = [r() for r in _recent]
     _recent.clear()
     for a in pending:
@@ -95,7 +131,7 @@ def _ready(arrays):
 def wait():
     """The host waits here (it reads a value; counted): raise the first failed deferred check."""
     metrics.counters["blocking_waits"] += 1
-    _dispatch_queued()
+    _blocking()
     if not _checks and not _failed:
         return
     with _lock:

@@ -25,18 +25,14 @@ sync.py), and the error names the op and the line that recorded it.
 Memory: a storage's memory belongs to its tensors (PJRT allocates it); graphs keep no private
 pool, so `pool=`/`graph_pool_handle()` are accepted for compatibility and change nothing.
 """
-import contextlib
 import gc
-import time
 
-import jax.numpy as jnp
 import torch
 
 from .._core import metrics, runtime
 from .._core.metrics import FlushReason
 from .._core.storage import Array, Pending
-from . import async_compile, debug, executables, fused, sync
-from .random import next_key_parts
+from . import debug, fused, sync
 
 _capturing = None  # the TPUGraph being captured
 
@@ -53,6 +49,8 @@ def is_current_stream_capturing():
     return _capturing is not None
 
 
+_CHECK_NOTE = ("a device-side check in a torch.tpu graph, read when the host next waited; the "
+               "replay changed no existing tensor")
 _REASONS = {
     "item": "reads a value on the host",
     "device_to_host": "copies a value to the host",
@@ -118,73 +116,34 @@ class TPUGraph:
         return tr, fused.stop_capture(tr, self._mode)
 
     def _build(self, tr):
-        start = time.perf_counter()
         self._device = tr.device
         self._inputs = list(tr.ext_buffers)
         source = {id(b): k for k, b in enumerate(self._inputs)}
-        slots, self._outputs, guarded = [], [], []
-        for p in tr.pendings:
-            owner = p.owner()
-            if owner is not None and owner._array is p:
-                k = source.get(id(owner))
-                if k is not None:  # a storage the step overwrites
-                    guarded.append((len(slots), k))
-                self._outputs.append((p.owner, len(slots)))
-                slots.append(p.slot)
-        self._guarded = [r for r, _ in guarded]
-        self._written = [k for _, k in guarded]
+        slots, guarded, self._outputs = [], [], []
+        for p in tr.live_outputs():
+            k = source.get(id(p.owner()))
+            if k is not None:  # a storage the step overwrites
+                guarded.append((len(slots), k))
+            self._outputs.append((p.owner, len(slots)))
+            slots.append(p.slot)
+        self._written = [k for _, k in guarded]  # (step.py asks)
         written = set(self._written)
         self._held = tuple(int(k in written) for k in range(len(self._inputs)))
-        self._signature, self._where = tuple(tr.signature), list(tr.where)
+        self._where = list(tr.where)
         self.ran_backward = tr.ran_backward  # (a compiled step asks, step.py)
         types = tuple(map(type, tr.scalars))
-        arrays, other = fused.pack_scalars(tr.scalars, types)
-        self._packed_arrays, self._other = arrays, other
-        # The positions in `other` of each random op's (seed, offset) pair.
-        in_other = [i for i, t in enumerate(types) if t not in fused.PACKED]
-        self._random, pos = [], 0
-        for (_, _, n), (kernel, _) in zip(tr.signature, tr.where):
-            if kernel.low.random:
-                self._random.append(in_other.index(pos))
-            pos += n
-        self._structure = (self._signature, slots, types, guarded)
-        key = fused.structure_key(*self._structure)
-        # (A step function returns more than a segment's: its own key.)
-        self._key = None if key is None else f"torch.tpu graph of {len(self._inputs)} inputs: {key}"
-        self._jits = {}
-        self._splits = {}  # donation mask -> (donated positions, kept positions)
-        mask = (True,) * len(self._written)
-        donated, kept = self._split(tr.ext_arrays, mask)
-        # Loaded from the store, or compiled on the pool while the host goes on (the first
-        # replay waits for it); traced here, so that what the lowering refuses raises here.
-        async_compile.prebuild(self._jit(mask), (donated, kept, (arrays, other)), ahead=True)
-        self._checks = [(i, j) for i, (c, _, _) in enumerate(self._signature)
-                        for j in range(len(c.check_info))]
+        self._scalars = fused.PackedScalars(tr.scalars, types, tr.random_positions(), tr.device)
+        # One runner for recorded op sequences: the graph is a fused.Segment whose results
+        # for the storages it overwrites are guarded (a failed check keeps them), so it
+        # donates them even where index checks can fail.
+        self._segment = fused.Segment(tuple(tr.signature), slots, types, "tpu_graph", guarded)
+        # Loaded from the store, or compiled on a thread of its own while the host goes on
+        # (the first replay waits for it); traced here, so that what the lowering refuses
+        # raises here.
+        self._segment.prebuild(tr.ext_arrays, tuple(bool(h) for h in self._held),
+                               self._scalars.for_run())
         self._captured = True
         metrics.counters["tpu_graph_captures"] += 1
-        metrics.counters["tpu_graph_compiles"] += 1
-        metrics.counters["compile_seconds"] += time.perf_counter() - start
-
-    def _jit(self, mask):
-        fn = self._jits.get(mask)
-        if fn is None:
-            fn = self._jits[mask] = executables.Executable(
-                _step_function(*self._structure, len(self._inputs), mask),
-                None if self._key is None else f"{self._key} donating {mask}",
-                f"torch.tpu graph of {len(self._signature)} ops",
-                traced=fused.checks_info(self._signature),
-                donate_argnums=(0,) if any(mask) else (), compiler_options=fused.EAGER_ROUNDING)
-        return fn
-
-    def _split(self, arrays, mask):
-        """(donated, kept) of `arrays` for the donation `mask`; the positions are worked out
-        once per mask (every replay splits ~150 arrays of a small GPT's step)."""
-        split = self._splits.get(mask)
-        if split is None:
-            donate = {k for k, d in zip(self._written, mask) if d}
-            split = self._splits[mask] = ([k for k in range(len(arrays)) if k in donate],
-                                          [k for k in range(len(arrays)) if k not in donate])
-        return [arrays[k] for k in split[0]], [arrays[k] for k in split[1]]
 
     def _hyper_changed(self):
         """Why the optimizers' Python hyperparameters differ from the captured ones, or None."""
@@ -214,30 +173,15 @@ class TPUGraph:
         for k, b in enumerate(inputs):
             if type(arrays[k]) is not Array:
                 arrays[k] = b.value()
-        # Donate what nothing but its storage, which the step overwrites, holds.
-        donatable = fused.unshared(arrays, self._held)
-        mask = tuple(donatable[k] for k in self._written)
-        compiling = mask not in self._jits
-        start = time.perf_counter()
-        donated, kept = self._split(arrays, mask)
+        segment = self._segment
+        packed = self._scalars.for_run()
+        # Donated: what nothing but its storage, which the step overwrites, holds.
+        call = segment.prepare(arrays, packed, held=self._held)
+        results, checks = segment.run(arrays, call, packed)
         del arrays
-        other = self._other
-        if self._random:
-            other = list(other)
-            for i in self._random:
-                other[i], other[i + 1] = next_key_parts(self._device)
-        # The warning comes with a compile; catching warnings costs every replay.
-        with fused.donation_warnings_ignored() if compiling else contextlib.nullcontext():
-            results, ok, first = self._jit(mask)(donated, kept, (self._packed_arrays, other))
-        del donated, kept
-        counters = metrics.counters
-        if compiling:
-            counters["tpu_graph_compiles"] += 1
-            counters["compile_seconds"] += time.perf_counter() - start
-        counters["tpu_graph_replays"] += 1
-        counters["donated_buffers"] += sum(mask)
-        if self._checks:  # read when the host next waits (sync.defer)
-            sync.defer((ok, first), lambda v: None if v[0] else self._check_error(int(v[1])))
+        metrics.counters["tpu_graph_replays"] += 1
+        if any(checks):  # read when the host next waits (sync.defer)
+            sync.defer(checks, segment.check_error(self._where, _CHECK_NOTE))
         for ref, r in self._outputs:
             b = ref()
             if b is not None:
@@ -245,21 +189,11 @@ class TPUGraph:
         if results:
             sync.track(results[0])  # what torch.tpu.synchronize() waits for
 
-    def _check_error(self, flat):
-        i, j = self._checks[flat]
-        compiled = self._signature[i][0]
-        kernel, where = self._where[i]
-        exc_type, message = compiled.check_info[j]
-        return debug.attributed(exc_type(message), kernel.overload, debug.describe_key(compiled.key),
-                                where, note="\n  (a device-side check in a torch.tpu graph, read "
-                                            "when the host next waited; the replay changed no "
-                                            "existing tensor)")
-
     def reset(self):
         if self._trace is not None:
             self._abort()
         self._captured = False
-        self._inputs = self._outputs = self._jits = self._splits = None
+        self._inputs = self._outputs = self._segment = None
 
     def pool(self):
         return self._pool
@@ -273,9 +207,7 @@ class TPUGraph:
     def debug_dump(self, debug_path):
         """Write the StableHLO of the captured step to `debug_path`."""
         arrays = [b.value() for b in self._inputs]
-        mask = (False,) * len(self._written)
-        donated, kept = self._split(arrays, mask)
-        text = self._jit(mask).jitted.lower(donated, kept, (self._packed_arrays, self._other)).as_text()
+        text = self._segment.lower(arrays, self._scalars.for_run()).as_text()
         with open(debug_path, "w") as f:
             f.write(text)
 
@@ -286,34 +218,16 @@ def _release(tr):
     for k, b in enumerate(tr.ext_buffers):
         a = b._array
         if type(a) is Pending and a.trace is tr:
-            b._array = tr.ext_queued.get(k, tr.ext_arrays[k])
-    for p in tr.pendings:
-        owner = p.owner()
-        if owner is not None and owner._array is p:
-            owner._array = None
-    tr.ext_arrays.clear()
-    tr.ext_ids.clear()
-    tr.pendings.clear()
+            queued = tr.ext_queued.get(k)
+            if queued is None:
+                b._array = tr.ext_arrays[k]
+            else:  # the strict op still queued, or its result if it ran during the capture
+                b._array = queued if queued.result is None else queued.result
+    for p in tr.live_outputs():
+        p.owner()._array = None
+    tr.release()
     tr.ext_buffers = []
     tr.ext_queued = {}
-
-
-def _step_function(signature, slots, scalar_types, guarded, n_inputs, mask):
-    """The captured step as a JAX function: (donated, kept, packed scalars) -> (results, all
-    checks passed, index of the first failed check)."""
-    donated_inputs = {k for (_, k), d in zip(guarded, mask) if d}
-    segment = fused.segment_function(
-        signature, slots, scalar_types, guarded,
-        tuple(k in donated_inputs for k in range(n_inputs)))
-
-    def step(donated, kept, packed):
-        results, checks = segment(donated, kept, packed)
-        passed = fused.all_passed(checks)
-        if passed is None:
-            return results, True, 0
-        return results, passed.all(), jnp.argmin(passed)
-
-    return step
 
 
 def _hyper_value(v):

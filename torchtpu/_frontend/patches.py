@@ -34,6 +34,12 @@ PATCHES = [
           "module.to('tpu') gives each module a new Parameter (PyTorch's list of 'shallow-copy "
           "compatible' backends leaves out PrivateUse1), untying shared weights; the ties are "
           "restored as on CUDA"),
+    Patch("torch.Tensor.data (its setter; the getter is TensorBase's own)",
+          "`p.data = t` between the CPU and tpu (FSDP2's `fully_shard` moves a CPU module's "
+          "parameters to its mesh's device this way, as user code does on CUDA) fails "
+          "PyTorch's check that the two are 'shallow-copy compatible', whose list of dense "
+          "backends leaves out PrivateUse1 (pytorch/pytorch#196975); such a leaf takes `t`'s "
+          "tensor in place, keeping its object, class, attributes, requires_grad and grad"),
     Patch("torch.Tensor.to", "an index-less 'tpu' means the current device: " + _SET_DEVICE),
     Patch("torch.accelerator.current_device_index, current_device_idx", _SET_DEVICE),
     Patch("torch.accelerator.set_device_index, set_device_idx", _SET_DEVICE),
@@ -112,6 +118,9 @@ def install():
     acc = torch.accelerator
     _replace(torch.nn.Module, "_apply", _keeping_ties(torch.nn.Module._apply))
     _replace(torch.Tensor, "to", current.tensor_to)
+    if not isinstance(torch.Tensor.__dict__.get("data"), property):
+        torch.Tensor.data = property(torch._C.TensorBase.data.__get__, _set_data,
+                                     doc=torch._C.TensorBase.data.__doc__)
     for name in ("current_device_index", "current_device_idx"):
         _replace(acc, name, current.current_device_index)
     for name in ("set_device_index", "set_device_idx"):
@@ -166,6 +175,31 @@ def _defer_dynamo_disable():
                 continue  # (PATCHES says why)
             if getattr(fn, "__dynamo_disable", None) is None:
                 setattr(fn, "__dynamo_disable", _UntilDynamoImported(fn, recursive))
+
+
+# --- Tensor.data = t across the CPU and tpu ----------------------------------------------------
+_base_set_data = torch._C.TensorBase.data.__set__
+
+
+def _set_data(self, new):
+    try:
+        return _base_set_data(self, new)
+    except RuntimeError as e:
+        if not (isinstance(new, torch.Tensor) and "incompatible tensor type" in str(e)
+                and "tpu" in (self.device.type, new.device.type) and self.is_leaf):
+            raise
+        error = e
+    # What set_data does between two dense devices (CPU and CUDA): the object keeps its
+    # identity, class, attributes, requires_grad and grad, and takes `new`'s tensor.  The
+    # tensor (TensorImpl) changes: it is swapped in, as nn.Module's conversions swap tensors.
+    grad = self.grad
+    replacement = new.detach().requires_grad_(self.requires_grad)
+    if grad is not None:
+        replacement.grad = grad.to(new.device)
+    try:
+        torch._C._swap_tensor_impl(self, replacement)
+    except RuntimeError as swap_error:  # the old tensor is shared (a view, the autograd graph)
+        raise error from swap_error
 
 
 # --- nn.Module._apply: keeping tied parameters tied ------------------------------------------

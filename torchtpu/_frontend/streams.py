@@ -4,9 +4,11 @@ JAX runs a device's work in dispatch order and orders dependent work by data, so
 has exactly one stream (the default, id 0): `Stream(...)` returns it, waiting on another stream
 is already satisfied, and `record_stream` has nothing to protect (an array lives while any
 queued executable uses it). Events are real: `record()` notes the device work dispatched so far
-(running any deferred fused ops), `query()`/`synchronize()` test/wait for it, and with
-`enable_timing=True` a watcher thread notes when it completed, so `elapsed_time` is the time
-between two events' completions as the host observed them (in milliseconds, like CUDA's).
+and the fused ops still deferred (which it does not run: FSDP2 records an event around every
+collective, and a fused segment would be cut at each), `query()`/`synchronize()` run those and
+test/wait for it all, and with `enable_timing=True` a watcher thread notes when it completed (a
+timed event runs the deferred ops at once), so `elapsed_time` is the time between two events'
+completions as the host observed them (in milliseconds, like CUDA's).
 """
 import contextlib
 import threading
@@ -75,18 +77,31 @@ class Event:
     def __init__(self, enable_timing=False, blocking=False, interprocess=False):
         self.enable_timing = enable_timing
         self._arrays = None
+        self._trace = None  # the fused trace whose ops it also waits for, until they run
         self._done_at = None
         self._watcher = None
 
     def record(self, stream=None):
         from .._execution import fused, sync
-        fused.flush(FlushReason.EVENT)
+        self._trace = fused.current_trace()
+        if self._trace is not None and self.enable_timing:
+            fused.flush(FlushReason.EVENT)
+            self._trace = None
         self._arrays = sync.pending()
         self._done_at = None
         if self.enable_timing:
             self._watcher = threading.Thread(target=self._watch, daemon=True)
             self._watcher.start()
         return self
+
+    def _run_deferred(self):
+        """Run the fused ops recorded before this event, if they have not run yet."""
+        from .._execution import fused, sync
+        if self._trace is not None:
+            if fused.current_trace() is self._trace:
+                fused.flush(FlushReason.EVENT)
+            self._trace = None
+            self._arrays = sync.pending()
 
     def _watch(self):
         for a in self._arrays:
@@ -96,12 +111,14 @@ class Event:
     def query(self):
         if self._arrays is None:
             return True
+        self._run_deferred()
         return all(a.is_ready() for a in self._arrays)
 
     def wait(self, stream=None):
         """Already ordered (see the module docstring)."""
 
     def synchronize(self):
+        self._run_deferred()
         if self._watcher is not None:
             self._watcher.join()
         for a in self._arrays or ():

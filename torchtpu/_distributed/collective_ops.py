@@ -1,0 +1,165 @@
+"""The collectives as ops of the lowering table: PyTorch's `_c10d_functional` ops (what Dynamo
+traces and DTensor calls), which ProcessGroupTPU's c10d methods call too.
+
+Each lowering is the per-rank JAX computation over the group's mesh axis (`spmd.AXIS`): `lax`
+collectives on this rank's values.  Being ops of the table, they run in every mode the way any
+op does: in strict eager as a program of their own, dispatched asynchronously on the calling
+thread; in fused eager, torch.tpu graphs and compiled graphs recorded into the trace, so that a
+segment holding them is one program in which XLA schedules them among the compute.  Any program
+holding one runs on every rank of the group (`Lowering.mesh`: the group's devices; see
+_execution/spmd.py for how, and for the check that the ranks issue the same collectives).
+
+`wait_tensor` returns its argument: a collective's results are the program's outputs, which
+later ops read through JAX's data dependence, as CUDA streams order NCCL's work.
+"""
+import jax.numpy as jnp
+import torch
+from jax import lax
+
+from .._core.registry import TABLE, lowering
+from .._execution.kernels import kernel_for
+from .._execution.spmd import AXIS, skipping
+
+_library = None
+_group = None  # group name -> its ProcessGroupTPU (process_group.group_named, given to install)
+
+
+def _mesh(*args):
+    """The mesh and label of the op's group (its last functional argument is the group)."""
+    group = _group(args[-1])
+    return group.mesh, group.label
+
+
+def _size(name):
+    return _group(name).size()
+
+
+# --- reductions --------------------------------------------------------------------------------
+def _reduce_rows(rows, op):
+    """Reduce the stacked rows of all ranks (axis 0) with a c10d reduce op's name."""
+    if rows.dtype == jnp.bool_:
+        if op in ("sum", "max", "bor"):
+            return jnp.any(rows, axis=0)
+        if op == "bxor":
+            return jnp.bitwise_xor.reduce(rows, axis=0)
+        return jnp.all(rows, axis=0)  # product, min, band
+    if op == "sum":
+        return jnp.sum(rows, axis=0, dtype=rows.dtype)
+    if op == "avg":
+        return jnp.sum(rows, axis=0, dtype=rows.dtype) / rows.shape[0]
+    if op == "product":
+        return jnp.prod(rows, axis=0, dtype=rows.dtype)
+    if op == "max":
+        return jnp.max(rows, axis=0)
+    if op == "min":
+        return jnp.min(rows, axis=0)
+    if op in ("band", "bor", "bxor"):
+        return getattr(jnp, "bitwise_" + op[1:]).reduce(rows, axis=0)
+    raise ValueError(f"ProcessGroupTPU: unsupported reduce op {op!r}")
+
+
+def _all_reduce(x, op):
+    if x.dtype != jnp.bool_:
+        if op == "sum":
+            return lax.psum(x, AXIS)
+        if op == "avg":
+            return (lax.psum(x, AXIS) / lax.axis_size(AXIS)).astype(x.dtype)
+        if op == "max":
+            return lax.pmax(x, AXIS)
+        if op == "min":
+            return lax.pmin(x, AXIS)
+    return _reduce_rows(lax.all_gather(x, AXIS), op).astype(x.dtype)
+
+
+def _reduce_scatter(x, op):
+    """x: (n * k, ...) -> this rank's reduced k rows; rank j gets the j-th block."""
+    if op in ("sum", "avg") and x.dtype != jnp.bool_:
+        out = lax.psum_scatter(x, AXIS, scatter_dimension=0, tiled=True)
+        return out if op == "sum" else (out / lax.axis_size(AXIS)).astype(x.dtype)
+    n = lax.axis_size(AXIS)
+    chunks = x.reshape(n, x.shape[0] // n, *x.shape[1:])
+    return _reduce_rows(lax.all_to_all(chunks, AXIS, 0, 0), op).astype(x.dtype)
+
+
+# --- the ops --------------------------------------------------------------------------------------
+@lowering("_c10d_functional::all_reduce", mesh=_mesh)
+def all_reduce(x, reduce_op, group_name):
+    return x if _size(group_name) == 1 or skipping() else _all_reduce(x, reduce_op)
+
+
+@lowering("_c10d_functional::all_reduce_coalesced", mesh=_mesh)
+def all_reduce_coalesced(xs, reduce_op, group_name):
+    return [all_reduce(x, reduce_op, group_name) for x in xs]
+
+
+# (The `_out` ops are ops of their own, not out= overloads the table derives.)
+@lowering("_c10d_functional::all_gather_into_tensor", "_c10d_functional::all_gather_into_tensor_out",
+          mesh=_mesh)
+def all_gather_into_tensor(x, group_size, group_name):
+    if skipping():
+        return jnp.zeros((group_size * x.shape[0], *x.shape[1:]), x.dtype)
+    return x if group_size == 1 else lax.all_gather(x, AXIS, tiled=True)
+
+
+@lowering("_c10d_functional::all_gather_into_tensor_coalesced", mesh=_mesh)
+def all_gather_into_tensor_coalesced(xs, group_size, group_name):
+    return [all_gather_into_tensor(x, group_size, group_name) for x in xs]
+
+
+@lowering("_c10d_functional::reduce_scatter_tensor", "_c10d_functional::reduce_scatter_tensor_out",
+          mesh=_mesh)
+def reduce_scatter_tensor(x, reduce_op, group_size, group_name):
+    if skipping():
+        return jnp.zeros((x.shape[0] // group_size, *x.shape[1:]), x.dtype)
+    return x if group_size == 1 else _reduce_scatter(x, reduce_op)
+
+
+@lowering("_c10d_functional::reduce_scatter_tensor_coalesced", mesh=_mesh)
+def reduce_scatter_tensor_coalesced(xs, reduce_op, group_size, group_name):
+    return [reduce_scatter_tensor(x, reduce_op, group_size, group_name) for x in xs]
+
+
+@lowering("_c10d_functional::broadcast", mesh=_mesh)
+def broadcast(x, src, group_name):
+    if _size(group_name) == 1 or skipping():
+        return x
+    mine = lax.axis_index(AXIS) == src
+    if x.dtype == jnp.bool_:
+        return lax.psum(jnp.where(mine, x, False).astype(jnp.int32), AXIS) > 0
+    return lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), AXIS)
+
+
+def _check_even_splits(x, output_split_sizes, input_split_sizes, group_name):
+    n = _size(group_name)
+    rows = x.shape[0] if x.dim() else 0
+    for splits in (output_split_sizes, input_split_sizes):
+        if splits and len(set(splits)) > 1:
+            raise NotImplementedError(
+                "_c10d_functional.all_to_all_single with uneven split sizes on tpu: use "
+                "dist.all_to_all_single, which exchanges the sizes first")
+    if rows % n:
+        raise RuntimeError(f"all_to_all_single: dim 0 of size {rows} is not divisible by the "
+                           f"group size {n}")
+
+
+@lowering("_c10d_functional::all_to_all_single", mesh=_mesh, validate=_check_even_splits)
+def all_to_all_single(x, output_split_sizes, input_split_sizes, group_name):
+    if skipping():
+        return jnp.zeros_like(x)
+    return x if _size(group_name) == 1 else lax.all_to_all(x, AXIS, 0, 0, tiled=True)
+
+
+def install(group_named):
+    """Give the `_c10d_functional` ops their tpu kernels (once, when the first tpu group is
+    made: their meta kernels come with torch.distributed._functional_collectives);
+    `group_named(name)` finds the group an op names."""
+    global _library, _group
+    _group = group_named
+    if _library is not None:
+        return
+    import torch.distributed._functional_collectives  # noqa: F401  (the ops' meta kernels)
+    _library = torch.library.Library("_c10d_functional", "IMPL")
+    for overload in list(TABLE):
+        if overload.namespace == "_c10d_functional":
+            _library.impl(overload, kernel_for(overload), "PrivateUse1")
+    _library.impl("wait_tensor", lambda t: t, "PrivateUse1")
