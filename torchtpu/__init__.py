@@ -10,8 +10,7 @@ import torch
 from ._frontend import torch_tpu as _module
 from ._frontend import registration as _registration
 from ._core import runtime as _runtime  # noqa: F401  (torchtpu._runtime.platform())
-
-__version__ = "0.1.0"
+from ._core.version import VERSION as __version__
 
 _registration.register_backend(_module)  # (with torchtpu_autoload's accelerate hook)
 

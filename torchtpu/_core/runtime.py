@@ -59,6 +59,15 @@ def devices():
     return _devices
 
 
+def _forget_devices():
+    global _devices
+    _devices = None
+
+
+# A forked child of a started runtime: torch.tpu.* queries restart it, which raises there.
+torchtpu_autoload.on_bad_fork(_forget_devices)
+
+
 def device_count():
     return len(devices())
 
