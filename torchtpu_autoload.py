@@ -246,15 +246,26 @@ def install():
     _setup_privateuseone_for_python_backend("tpu", _state.stand_in, _Hooks(), _Guard())
     _state.library = torch.library.Library("_", "IMPL")
     _state.library.fallback(_fallback, dispatch_key="PrivateUse1")
+    _register_serialization()
+    _register_c10d_backend()
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+    _install_accelerate_hook()
+
+
+# The registrations below put torchtpu's functions into PyTorch's global state; they are
+# listed in torchtpu/_frontend/patches.py with the other patches.
+
+def _register_serialization():
     # torch.load(map_location="tpu") as the first use: PyTorch's generic path would copy into
     # a storage the device cannot make before it loads.
     torch.serialization.register_package(1, _tag, _restore)
+
+
+def _register_c10d_backend():
     import torch.distributed as dist
     if dist.is_available() and "TPU" not in dist.Backend._plugins:
         dist.Backend.register_backend("tpu", _create_process_group, extended_api=True,
                                       devices=["tpu"])
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-    _install_accelerate_hook()
 
 
 def register(module, fallback, tag, restore, create_process_group):

@@ -67,7 +67,7 @@ class WholeStep:
             return self._compiled(*args, **kwargs)
         step = self._steps.get(key, False)
         if step is False:  # warm up, then capture
-            with _capturable_optimizers():
+            with capturable_optimizers():
                 out = self._eager(*args, **kwargs)
             self._steps[key] = self._capture(flat, args, kwargs)
             return out
@@ -103,7 +103,7 @@ class WholeStep:
 
 
 @contextlib.contextmanager
-def _capturable_optimizers():
+def capturable_optimizers():
     """Optimizers stepped meanwhile whose state does not exist yet keep it on the device
     (capturable), as a compiled step's do (backend.mark_capturable): a host `step` counter
     would be baked into the captured graph, which refuses such optimizers."""

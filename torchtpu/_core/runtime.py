@@ -6,9 +6,15 @@ import jax
 import torch
 import torchtpu_autoload
 
-# int64 is PyTorch's index type and float64 a real dtype on the CPU; without x64 JAX would
-# silently narrow both.
-jax.config.update("jax_enable_x64", True)
+
+
+def enable_x64():
+    """int64 is PyTorch's index type and float64 a real dtype on the CPU; without x64 JAX would
+    silently narrow both.  At import: before any array exists (patches.PATCHES)."""
+    jax.config.update("jax_enable_x64", True)
+
+
+enable_x64()
 
 _PLATFORM_ORDER = ("tpu", "gpu", "cpu")
 _state = threading.local()
