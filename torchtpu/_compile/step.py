@@ -121,7 +121,7 @@ def _call_key(flat, spec):
            torch.get_autocast_dtype("tpu")]
     for a in flat:
         if isinstance(a, torch.Tensor):
-            key.append(fx_graph.layout_key([a])[0] + (a.requires_grad,))
+            key.append(fx_graph.arguments_key([a])[0] + (a.requires_grad,))
         else:
             key.append((type(a), a))
     return tuple(key)
