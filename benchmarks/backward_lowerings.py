@@ -7,10 +7,10 @@ every op without a lowering) or the `jax.vjp` of the forward lowering (`_lowerin
 For each backward op, on tpu tensors the size of a small GPT's activations (float32, strict
 eager): the first call of each variant's kernel, from empty caches (trace, PyTorch's
 decomposition traced by make_fx where it is one, lowering and XLA compile: the warm-up cost),
-and the steady time per call. Printed per repeat: `first ms / steady us` of each variant; the
-variants run alternately, each through a kernel of its own from empty caches (after one
-unprinted round that pays the process's one-time costs, such as make_fx's first trace). Also, per call, the torch CPU
-kernel's time and the formula written directly in JAX (its function under one jax.jit).
+and the steady time per call. Printed per repeat: `first ms / steady us` of each variant. The
+variants run alternately, each through a kernel of its own from empty caches, after one
+unprinted round that pays the process's one-time costs (make_fx's first trace...). Also, per
+call, the torch CPU kernel's time and the formula written directly in JAX (under one jax.jit).
 """
 import argparse
 import os

@@ -147,7 +147,8 @@ def elements(v, depth=2):
 def snapshot():
     found = {(id(sys), "meta_path"): ("sys.meta_path", sys.meta_path, set(map(id, sys.meta_path)))}
     for name, mod in list(sys.modules.items()):
-        if not isinstance(mod, types.ModuleType) or name.split(".")[0] not in ROOTS                 or name == "torch.tpu":
+        if (not isinstance(mod, types.ModuleType) or name.split(".")[0] not in ROOTS
+                or name == "torch.tpu"):
             continue
         owners = [(name, mod)] + [(f"{name}.{k}", v) for k, v in list(vars(mod).items())
                                   if isinstance(v, type) and v.__module__ == name]
@@ -224,8 +225,9 @@ _NOT_PATCHES = {
 
 def _unlisted(before_imports, code=_SNAPSHOT):
     """The changes the workload makes, and those no patch lists."""
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}  # torchtpu's import installs it
     r = subprocess.run([sys.executable, "-c", code, *before_imports], capture_output=True,
-                       text=True, timeout=300, env={**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+                       text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
     listed = {}  # (owner, attribute) -> the files of the applies listing it

@@ -7,7 +7,6 @@ import torch
 import torchtpu_autoload
 
 
-
 def enable_x64():
     """int64 is PyTorch's index type and float64 a real dtype on the CPU; without x64 JAX would
     silently narrow both.  At import: before any array exists (patches.PATCHES)."""

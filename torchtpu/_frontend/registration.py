@@ -8,5 +8,5 @@ from .._execution import fallback
 
 
 def register_backend(module):
-    torchtpu_autoload.register(module, fallback._fallback, serialization._tag, serialization._restore,
-                               _create)
+    torchtpu_autoload.register(module, fallback._fallback, serialization._tag,
+                               serialization._restore, _create)
