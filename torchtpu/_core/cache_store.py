@@ -28,7 +28,7 @@ import warnings
 import jax
 
 from .._core import metrics
-from .version import VERSION
+from . import version
 
 # JAX's own entries: only slow compiles (ours are all kept: a load skips the trace as well).
 MIN_COMPILE_SECONDS = 0.2
@@ -59,7 +59,7 @@ def max_bytes():
 def versions():
     """What an entry was built by: an entry of other versions is never loaded."""
     import jaxlib
-    return f"torchtpu {VERSION}; jax {jax.__version__}; jaxlib {jaxlib.__version__}"
+    return f"torchtpu {version.VERSION}; jax {jax.__version__}; jaxlib {jaxlib.__version__}"
 
 
 def private_directory(path):

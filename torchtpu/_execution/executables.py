@@ -33,8 +33,7 @@ import time
 import jax
 import torch
 
-from .._core import metrics, runtime
-from .._core.version import VERSION
+from .._core import metrics, runtime, version
 
 _FORMAT = 3
 _store = None
@@ -88,7 +87,7 @@ def fingerprint():
                      or k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JAX_PLATFORMS"))
         _static = repr((
             _FORMAT, sys.version_info[:2], torch.__version__, jax.__version__, jaxlib.__version__,
-            VERSION, _source_digest(),
+            version.VERSION, _source_digest(),
             devices[0].platform, devices[0].client.platform_version,
             [(d.id, d.device_kind) for d in devices], jax.process_count(),
             # this process's devices: a program whose inputs do not name a device runs on
