@@ -32,6 +32,8 @@ _state = types.SimpleNamespace(
     module=None,       # the full torch.tpu module once loaded
     fallback=None,     # the full backend's PrivateUse1 fallback (CPU fallback or error)
     serialization=None,  # the full backend's torch.save tag and torch.load restore functions
+    create_process_group=None,  # the full backend's c10d backend constructor
+    after_bad_fork=[],  # what the full backend forgets in a forked child (on_bad_fork)
     library=None,      # the torch.library.Library holding our PrivateUse1 fallback
     bad_fork=False,
     seed=None,         # torch.manual_seed before the device loaded
@@ -96,9 +98,14 @@ def _after_fork_in_child():
         for lib in getattr(module, "_torchtpu_library", ()):
             lib._destroy()
         module._torchtpu_library = ()
-        runtime = sys.modules.get("torchtpu._core.runtime")
-        if runtime is not None:
-            runtime._devices = None  # torch.tpu.* queries restart the runtime, which raises
+        for forget in _state.after_bad_fork:
+            forget()  # e.g. the runtime's devices: torch.tpu.* queries restart it, which raises
+
+
+def on_bad_fork(forget):
+    """Call `forget()` in a forked child of a process whose JAX runtime had started, once the
+    full backend has loaded (the package's modules register what they must drop)."""
+    _state.after_bad_fork.append(forget)
 
 
 # --- loading --------------------------------------------------------------------------------
@@ -113,6 +120,7 @@ def ensure_loaded():
             # A half-imported module must not pass for the device: the next use tries again.
             torch.tpu = sys.modules["torch.tpu"] = _state.stand_in
             _state.module = _state.fallback = _state.serialization = None
+            _state.create_process_group = None
             raise RuntimeError(
                 f"The tpu device could not be loaded: importing torchtpu failed with {e!r}") from e
     return _state.module
@@ -170,8 +178,7 @@ def _restore(obj, location):
 
 def _create_process_group(*args, **kwargs):
     ensure_loaded()
-    from torchtpu._distributed import _create
-    return _create(*args, **kwargs)
+    return _state.create_process_group(*args, **kwargs)
 
 
 # --- Hugging Face accelerate -----------------------------------------------------------------
@@ -239,26 +246,38 @@ def install():
     _setup_privateuseone_for_python_backend("tpu", _state.stand_in, _Hooks(), _Guard())
     _state.library = torch.library.Library("_", "IMPL")
     _state.library.fallback(_fallback, dispatch_key="PrivateUse1")
-    # torch.load(map_location="tpu") as the first use: PyTorch's generic path would copy into
-    # a storage the device cannot make before it loads.
-    torch.serialization.register_package(1, _tag, _restore)
-    import torch.distributed as dist
-    if dist.is_available() and "TPU" not in dist.Backend._plugins:
-        dist.Backend.register_backend("tpu", _create_process_group, extended_api=True,
-                                      devices=["tpu"])
+    _register_serialization()
+    _register_c10d_backend()
     os.register_at_fork(after_in_child=_after_fork_in_child)
     _install_accelerate_hook()
 
 
-def register(module, fallback, tag, restore):
+# The registrations below put torchtpu's functions into PyTorch's global state; they are
+# listed in torchtpu/_frontend/patches.py with the other patches.
+
+def _register_serialization():
+    # torch.load(map_location="tpu") as the first use: PyTorch's generic path would copy into
+    # a storage the device cannot make before it loads.
+    torch.serialization.register_package(1, _tag, _restore)
+
+
+def _register_c10d_backend():
+    import torch.distributed as dist
+    if dist.is_available() and "TPU" not in dist.Backend._plugins:
+        dist.Backend.register_backend("tpu", _create_process_group, extended_api=True,
+                                      devices=["tpu"])
+
+
+def register(module, fallback, tag, restore, create_process_group):
     """Called by `import torchtpu`: the full module replaces the stand-in as `torch.tpu`, ops
     without a tpu kernel go to `fallback`, torch.save/torch.load of tpu storages to `tag` and
-    `restore`."""
+    `restore`, the "tpu" c10d backend's groups are made by `create_process_group`."""
     install()
     torch.tpu = sys.modules["torch.tpu"] = module
     _state.module = module
     _state.fallback = fallback
     _state.serialization = tag, restore
+    _state.create_process_group = create_process_group
     if _state.seed is not None:
         module.manual_seed_all(_state.seed)
 

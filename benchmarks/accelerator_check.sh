@@ -1,7 +1,7 @@
 #!/bin/bash
 # The accelerator-path check: run from the repository root on a machine whose JAX has a CUDA or
 # TPU backend (torchtpu picks it over the CPU). Prints the training-step and per-op figures
-# quoted in the README, then runs the training, mode and compile tests there.
+# quoted in docs/performance.md, then runs the training, mode and compile tests there.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1

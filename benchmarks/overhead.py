@@ -176,8 +176,9 @@ def main():
     t_whole = timed(run_jax_whole, 20) / n * 1e6
     t_compiled = timed(run_compiled(compiled), 20) / n * 1e6
     t_onestep = timed(run_compiled(onestep), 20) / n * 1e6
-    # One program for the chain contracts each mul and add into a fused multiply-add (README,
-    # fused eager): over 2000 ops the last bits drift, by up to about 1e-4 relative.
+    # One program for the chain contracts each mul and add into a fused multiply-add
+    # (docs/execution.md, "Fused eager"): over 2000 ops the last bits drift, by up to about 1e-4
+    # relative.
     torch.testing.assert_close(run_graph().cpu(), chain_torch(x_cpu, n), rtol=1e-3, atol=1e-5)
     assert torch.allclose(run_tpu().cpu(), chain_torch(x_cpu, n), rtol=1e-4, atol=1e-5)
     print(f"chain of {n} elementwise ops on {a.size}x{a.size} float32")

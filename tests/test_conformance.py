@@ -2,7 +2,7 @@
 
 Each op's first samples run on tpu and on the CPU; forward values, dtypes and shapes must agree
 (and float32 gradients, and error_inputs' exception types, where marked).  Regressions in these
-families show up here; the full sweep is its own command (see README, "Op coverage")."""
+families show up here; the full sweep is its own command (docs/testing.md)."""
 import pytest
 import torch
 

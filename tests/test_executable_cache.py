@@ -25,7 +25,7 @@ if os.environ.get("JAX_CACHES_EVERYTHING"):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 mode, out = sys.argv[1], sys.argv[2]
 if len(sys.argv) > 3:
-    torchtpu.__version__ = sys.argv[3]  # what another release would be
+    torchtpu._core.version.VERSION = sys.argv[3]  # what another release would be
 torch.tpu.eager_mode = "fused" if mode == "fused" else "strict"
 torch.manual_seed(0)
 m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).to("tpu")

@@ -10,15 +10,14 @@ import torch
 from ._frontend import torch_tpu as _module
 from ._frontend import registration as _registration
 from ._core import runtime as _runtime  # noqa: F401  (torchtpu._runtime.platform())
-
-__version__ = "0.1.0"
+from ._core.version import VERSION as __version__
 
 _registration.register_backend(_module)  # (with torchtpu_autoload's accelerate hook)
 
 
 def _install_kernels():
     from . import _lowerings  # noqa: F401  (fills the lowering table)
-    from ._execution import dispatch, fused
+    from ._execution import dispatch
     from ._frontend import streams
 
     lib = torch.library.Library("aten", "IMPL")
@@ -27,13 +26,7 @@ def _install_kernels():
     fallback_lib = torch.library.Library("_", "IMPL")  # (the PrivateUse1 fallback is torchtpu_autoload's)
     from ._frontend import autocast, patches
     autocast.register(lib, fallback_lib)
-    patches.install()
-    fused.install()
-    from ._execution import optimizer_state, tpu_graphs
-    optimizer_state.install()
-    tpu_graphs.install()
-    from ._compile import cache
-    cache.enable()
+    patches.install()  # every patch of a PyTorch or JAX global made at import (PATCHES)
     from . import _distributed
     _distributed.register()
     return lib, fallback_lib

@@ -104,11 +104,11 @@ def skip_own_frames():
     for name in ("_core", "_lowerings", "_execution", "_compile", "_frontend"):
         trace_rules.SKIP_DIRS.append(os.path.join(root, name) + os.sep)
     trace_rules._recompile_re()
-    _capturable_optimizers_on_tpu()
+    capturable_optimizers_on_tpu()
     _skipping[0] = True
 
 
-def _capturable_optimizers_on_tpu():
+def capturable_optimizers_on_tpu():
     """Dynamo compiles optimizer steps in capturable form (state such as `step` on the
     device) only for CUDA/XPU parameters; on the host, `step` would split every compiled
     step into host work.  Mark still-uninitialised groups of tpu parameters capturable too.

@@ -19,7 +19,7 @@ def export(model, args, kwargs=None):
     if missing:
         raise NotImplementedError(f"The operator '{missing[0][0]}' is not implemented for the tpu device")
     flat, spec = tree_flatten((tuple(args), kwargs))
-    key, buffers = fx_graph.layout_key(flat)
+    key, buffers = fx_graph.arguments_key(flat)
     if any(isinstance(k, tuple) and k and k[0] == "host" for k in key):
         raise ValueError("torchtpu.export needs its tensor arguments on the tpu device")
 

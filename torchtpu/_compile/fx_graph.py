@@ -49,9 +49,10 @@ def _buffer(t):
     return getattr(t.untyped_storage(), "_tpu", None)
 
 
-def layout_key(args):
-    """Everything a capture depends on: each tensor's layout as an op's executable sees it
-    (which inputs share storage included), its storage's size and device."""
+def arguments_key(args):
+    """Everything a capture depends on, for a call's arguments: each tensor's layout as an
+    op's executable sees it (op_kernel.layout_key: which inputs share storage included), its
+    storage's size and device; other arguments by type and value."""
     key = []
     buffers = op_kernel.Buffers()
     for a in args:
@@ -210,7 +211,7 @@ class CompiledGraph:
             # In a torch.tpu graph capture (a whole compiled step, step.py) its ops are recorded
             # into the capture's trace.
             return self.gm(*args)
-        key, buffers = layout_key(args)
+        key, buffers = arguments_key(args)
         if not self.variants and _host_nodes(self.gm):
             return self._run_eagerly(args, "it computes on the host: " + ", ".join(sorted(set(_host_nodes(self.gm)))))
         captured = self.variants.lookup(key)

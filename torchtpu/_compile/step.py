@@ -69,7 +69,7 @@ class WholeStep:
             return self._compiled(*args, **kwargs)
         step = self._steps.get(key, False)
         if step is False:  # warm up, then capture
-            with _capturable_optimizers():
+            with capturable_optimizers():
                 out = self._eager(*args, **kwargs)
             step = self._capture(flat, args, kwargs, key)
             if step is not _RETRY:
@@ -125,7 +125,7 @@ def _read_the_host(error):
 
 
 @contextlib.contextmanager
-def _capturable_optimizers():
+def capturable_optimizers():
     """Optimizers stepped meanwhile whose state does not exist yet keep it on the device
     (capturable), as a compiled step's do (backend.mark_capturable): a host `step` counter
     would be baked into the captured graph, which refuses such optimizers."""
@@ -143,7 +143,7 @@ def _call_key(flat, spec):
            torch.get_autocast_dtype("tpu")]
     for a in flat:
         if isinstance(a, torch.Tensor):
-            key.append(fx_graph.layout_key([a])[0] + (a.requires_grad,))
+            key.append(fx_graph.arguments_key([a])[0] + (a.requires_grad,))
         else:
             key.append((type(a), a))
     return tuple(key)

@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import stat
-import sys
 import tempfile
 import time
 import warnings
@@ -29,6 +28,7 @@ import warnings
 import jax
 
 from .._core import metrics
+from . import version
 
 # JAX's own entries: only slow compiles (ours are all kept: a load skips the trace as well).
 MIN_COMPILE_SECONDS = 0.2
@@ -59,9 +59,7 @@ def max_bytes():
 def versions():
     """What an entry was built by: an entry of other versions is never loaded."""
     import jaxlib
-    # The package above this layer has set its version before it enables the cache.
-    torchtpu_version = getattr(sys.modules.get("torchtpu"), "__version__", "unknown")
-    return f"torchtpu {torchtpu_version}; jax {jax.__version__}; jaxlib {jaxlib.__version__}"
+    return f"torchtpu {version.VERSION}; jax {jax.__version__}; jaxlib {jaxlib.__version__}"
 
 
 def private_directory(path):

@@ -6,9 +6,14 @@ import jax
 import torch
 import torchtpu_autoload
 
-# int64 is PyTorch's index type and float64 a real dtype on the CPU; without x64 JAX would
-# silently narrow both.
-jax.config.update("jax_enable_x64", True)
+
+def enable_x64():
+    """int64 is PyTorch's index type and float64 a real dtype on the CPU; without x64 JAX would
+    silently narrow both.  At import: before any array exists (patches.PATCHES)."""
+    jax.config.update("jax_enable_x64", True)
+
+
+enable_x64()
 
 _PLATFORM_ORDER = ("tpu", "gpu", "cpu")
 _state = threading.local()
@@ -57,6 +62,15 @@ def devices():
             bad, _current[0] = _current[0], 0
             jax_device(bad)  # raises: torch.tpu.set_device was given a device that is not there
     return _devices
+
+
+def _forget_devices():
+    global _devices
+    _devices = None
+
+
+# A forked child of a started runtime: torch.tpu.* queries restart it, which raises there.
+torchtpu_autoload.on_bad_fork(_forget_devices)
 
 
 def device_count():

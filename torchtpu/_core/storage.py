@@ -152,17 +152,24 @@ class DeviceBuffer:
 _HOST_ZEROS_BYTES = 1 << 16
 
 # The cached executable making n zeros on a device (eager jnp.zeros costs far more):
-# _execution.dispatch.install puts in executables.zeros, which the persistent executable cache
-# keeps (a restart loads them: an optimizer's state made by zeros_like is ~10 sizes of ~25 ms
-# compiles each).  Until then every size comes from the host.
-zeros = None
+# _execution.dispatch.install registers executables.zeros, which the persistent executable
+# cache keeps (a restart loads them: an optimizer's state made by zeros_like is ~10 sizes of
+# ~25 ms compiles each).  Until then every size comes from the host.
+_zeros = None
+
+
+def use_zeros_executable(zeros):
+    """`zeros(n, dtype, device index)` -> the executable making n zeros there: larger unwritten
+    storages are made by it (this layer cannot build executables itself)."""
+    global _zeros
+    _zeros = zeros
 
 
 def _zeros_for(nbytes, dtype, index):
     n = nbytes // dtype.itemsize
-    if nbytes <= _HOST_ZEROS_BYTES or zeros is None:
+    if nbytes <= _HOST_ZEROS_BYTES or _zeros is None:
         return jax.device_put(np.zeros(n, dtype), runtime.jax_device(index))
-    return zeros(n, dtype, index)()
+    return _zeros(n, dtype, index)()
 
 
 def retype_loaded(buf, dtype):

@@ -22,7 +22,7 @@ def special_kernels():
 
 
 def install(lib):
-    storage.zeros = executables.zeros  # unwritten storages' zeros, kept across processes too
+    storage.use_zeros_executable(executables.zeros)  # kept across processes too
     special = special_kernels()
     for op, kernel in special.items():
         lib.impl(op, kernel, "PrivateUse1")

@@ -33,7 +33,7 @@ import time
 import jax
 import torch
 
-from .._core import metrics, runtime
+from .._core import metrics, runtime, version
 
 _FORMAT = 3
 _store = None
@@ -87,7 +87,7 @@ def fingerprint():
                      or k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JAX_PLATFORMS"))
         _static = repr((
             _FORMAT, sys.version_info[:2], torch.__version__, jax.__version__, jaxlib.__version__,
-            getattr(sys.modules.get("torchtpu"), "__version__", None), _source_digest(),
+            version.VERSION, _source_digest(),
             devices[0].platform, devices[0].client.platform_version,
             [(d.id, d.device_kind) for d in devices], jax.process_count(),
             # this process's devices: a program whose inputs do not name a device runs on
@@ -376,7 +376,8 @@ def wait_for_writes():
 @functools.lru_cache(maxsize=256)
 def zeros(n, dtype, index):
     """The executable making n zeros on a device, for a storage read before it was written
-    (storage.zeros); bounded: one per storage size would otherwise grow without end."""
+    (storage.use_zeros_executable); bounded: one per storage size would otherwise grow without
+    end."""
     import jax.numpy as jnp
     return Executable(lambda: jnp.zeros((n,), dtype), stable(("zeros", n, str(dtype), index)),
                       "zeros", out_shardings=jax.sharding.SingleDeviceSharding(runtime.jax_device(index)))

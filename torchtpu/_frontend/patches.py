@@ -1,7 +1,14 @@
-"""Every patch torchtpu makes to PyTorch's and JAX's globals: what, why, where it is applied,
-and the torch versions it was checked on.  `install()` applies the ones made at import; the
-others are applied where the table says, for the reason given there.  A new patch is one more
-entry here (tests/test_layers.py fails on an assignment to a torch or jax global elsewhere)."""
+"""Every patch torchtpu makes to PyTorch's and JAX's global state: what it changes, why, the
+function that applies it, when, and the torch versions it was checked on.  A registration that
+puts torchtpu's code into their global state (a global optimizer hook, a JAX event listener,
+torch.load's location tag) is one too: it runs for every user of that state.
+
+`install()` applies those made at import, in this order.  The others are applied by their
+function, and only by it, at the moment `when` says (and why then).  tests/test_patches.py
+checks the list at run time: every attribute of torch, jax or accelerate that holds torchtpu's
+code or a changed config value after `import torchtpu`, a first device use and a first
+compilation must be a target of an entry; and an assignment to a torch or jax global may only
+be made in a function an entry names."""
 import dataclasses
 import gc
 import sys
@@ -10,101 +17,25 @@ import types
 
 import torch
 
-from .._compile import backend, step
-from .._core import storage
-from . import current
+import torchtpu_autoload
+
+from .._compile import backend, cache, step
+from .._core import runtime, storage
+from .._distributed import launch
+from .._execution import fused, optimizer_state, tpu_graphs
+from . import current, torch_tpu
 
 CHECKED_ON = ("2.13",)
+AT_IMPORT = "patches.install(), at import"
 
 
 @dataclasses.dataclass(frozen=True)
 class Patch:
-    target: str
+    targets: tuple  # the attributes it changes, dotted as a user reaches them
     why: str
-    where: str = "patches.install(), at import"
+    apply: object  # the function that makes it
+    when: str = AT_IMPORT
     checked_on: tuple = CHECKED_ON
-
-
-_SET_DEVICE = ("PyTorch's device guard for Python backends always answers device 0, so "
-               "torch.tpu.set_device(local_rank) (torchrun's layout) would be ignored")
-_DYNAMO = "_compile/backend.skip_own_frames(), at the first compilation for tpu (imports Dynamo)"
-
-PATCHES = [
-    Patch("torch.nn.Module._apply",
-          "module.to('tpu') gives each module a new Parameter (PyTorch's list of 'shallow-copy "
-          "compatible' backends leaves out PrivateUse1), untying shared weights; the ties are "
-          "restored as on CUDA"),
-    Patch("torch.Tensor.data (its setter; the getter is TensorBase's own)",
-          "`p.data = t` between the CPU and tpu (FSDP2's `fully_shard` moves a CPU module's "
-          "parameters to its mesh's device this way, as user code does on CUDA) fails "
-          "PyTorch's check that the two are 'shallow-copy compatible', whose list of dense "
-          "backends leaves out PrivateUse1 (pytorch/pytorch#196975); such a leaf takes `t`'s "
-          "tensor in place, keeping its object, class, attributes, requires_grad and grad"),
-    Patch("torch.Tensor.to", "an index-less 'tpu' means the current device: " + _SET_DEVICE),
-    Patch("torch.accelerator.current_device_index, current_device_idx", _SET_DEVICE),
-    Patch("torch.accelerator.set_device_index, set_device_idx", _SET_DEVICE),
-    Patch("torch.accelerator.empty_cache, memory_stats, reset_peak_memory_stats, "
-          "reset_accumulated_memory_stats, get_memory_info (and "
-          "torch.accelerator.memory's, which memory_allocated and the others read)",
-          "PyTorch's ask the device's C++ caching allocator, which a Python backend cannot "
-          "register (an internal assert fails); accelerate >= 1.16 calls "
-          "torch.accelerator.empty_cache() in Trainer.train() for devices it does not know"),
-    Patch("torch.UntypedStorage.resize_",
-          "PyTorch resizes a PrivateUse1 storage through a C++ hook Python cannot provide; "
-          "FSDP2 frees and re-creates parameters with resize_(0) / resize_(n)"),
-    Patch("torch.compile",
-          "the first call makes Dynamo skip torchtpu's and JAX's frames, so importing "
-          "torchtpu does not import Dynamo; backend=\"tpu\" with mode=\"reduce-overhead\" "
-          "returns a whole step replayed as one executable (_compile/step.py)"),
-    Patch("torch._TorchCompileInductorWrapper.__call__",
-          "torch.compile's default backend (inductor) cannot generate code for tpu: graphs "
-          "with tpu inputs go to the tpu backend"),
-    Patch("torch._dynamo.trace_rules.SKIP_DIRS",
-          "torchtpu's layers and JAX run below the dispatcher: Dynamo must not trace them",
-          _DYNAMO),
-    Patch("torch._dynamo.variables.optimizer.OptimizerVariable._set_capturable",
-          "Dynamo compiles capturable optimizer steps only for CUDA/XPU parameters; on the "
-          "host `step` would split every compiled step", _DYNAMO),
-    Patch("torch._dynamo.variables.optimizer.OptimizerVariable.__init__",
-          "the same marking where a step inlined into a compiled caller never reads "
-          "`param_groups` through Dynamo's hook (a second optimizer in one process)", _DYNAMO),
-    Patch("jax.config jax_enable_x64",
-          "int64 (PyTorch's index type) and float64 would silently narrow",
-          "_core/runtime.py, at import: before any array exists"),
-    Patch("jax.config jax_cpu_collectives_implementation",
-          "cross-process collectives on the CPU run on gloo",
-          "_distributed/launch.py, before jax.distributed.initialize"),
-    Patch("jax.config jax_compilation_cache_dir, jax_persistent_cache_min_compile_time_secs",
-          "the persistent executable cache", "_compile/cache.enable(), at import"),
-    Patch("torch.tpu's module class", "torch.tpu.eager_mode reads and assigns like an attribute",
-          "_frontend/torch_tpu.py, at import"),
-    Patch("torch.optim's global optimizer step post hook",
-          "fused eager runs its trace when optimizer.step() returns",
-          "_execution/fused.install(), at import"),
-    Patch("torch.optim's global optimizer step pre hook",
-          "SGD momentum buffers exist before the first step, which then compiles as every later one",
-          "_execution/optimizer_state.install(), at import"),
-    Patch("torch.optim's global optimizer step pre hook",
-          "optimizers without state yet that a mode=\"reduce-overhead\" step warms up keep "
-          "their state on the device (capturable, as Dynamo makes a compiled step's), so the "
-          "step can be captured",
-          "_compile/step.py, registered for each eager warm-up call and removed after it"),
-    Patch("`__dynamo_disable` of the functions torch._disable_dynamo wraps (PyTorch's Python "
-          "references, meta kernels and decompositions)",
-          "their first call imports Dynamo (1.3-2.2 s here) to disable it around them, and "
-          "many meta kernels of tpu ops are such functions: a process's first op on tpu paid "
-          "it, where CPU torch does not. Until Dynamo is imported nothing can be tracing "
-          "them, so they run as they are; their first call after that disables Dynamo as "
-          "PyTorch's wrapper would (found by one scan of the garbage collector's objects, "
-          "~0.07 s). torch.optim's are left as PyTorch made them: an optimizer's first step "
-          "imports Dynamo anyway (its `_use_grad`), and stock PyTorch pays that import when "
-          "the optimizer is made (`add_param_group`), not inside the first training step"),
-    Patch("accelerate.state.PartialState.default_device (through a sys.meta_path finder)",
-          "accelerate knows a fixed list of device types and would keep the Trainer's batches "
-          "on the CPU while its model is on tpu; it picks tpu where it would pick the CPU",
-          "torchtpu_autoload._install_accelerate_hook(), at import torch: accelerate.state is "
-          "patched when it is imported"),
-]
 
 
 def _replace(owner, name, new):
@@ -114,28 +45,187 @@ def _replace(owner, name, new):
         setattr(owner, name, new)
 
 
-def install():
-    acc = torch.accelerator
+_ACCELERATOR_MEMORY = ("empty_cache", "memory_stats", "reset_peak_memory_stats",
+                       "reset_accumulated_memory_stats", "get_memory_info")
+
+
+def _keep_ties():
     _replace(torch.nn.Module, "_apply", _keeping_ties(torch.nn.Module._apply))
+
+
+def _current_device_to():
     _replace(torch.Tensor, "to", current.tensor_to)
+
+
+def _data_setter():
     if not isinstance(torch.Tensor.__dict__.get("data"), property):
         torch.Tensor.data = property(torch._C.TensorBase.data.__get__, _set_data,
                                      doc=torch._C.TensorBase.data.__doc__)
+
+
+def _current_device_index():
     for name in ("current_device_index", "current_device_idx"):
-        _replace(acc, name, current.current_device_index)
+        _replace(torch.accelerator, name, current.current_device_index)
+
+
+def _set_device_index():
     for name in ("set_device_index", "set_device_idx"):
-        _replace(acc, name, current.set_device_index)
-    for name in ("empty_cache", "memory_stats", "reset_peak_memory_stats",
-                 "reset_accumulated_memory_stats", "get_memory_info"):
+        _replace(torch.accelerator, name, current.set_device_index)
+
+
+def _accelerator_memory():
+    acc = torch.accelerator
+    for name in _ACCELERATOR_MEMORY:
         fn = current.accelerator_memory(getattr(acc.memory, name), name)
         _replace(acc.memory, name, fn)
         _replace(acc, name, fn)
+
+
+def _resize_storage():
     _replace(torch.UntypedStorage, "resize_", storage.resize_storage)
+
+
+def _compile():
     _replace(torch, "compile", backend.skipping_own_frames(step.whole_step(torch.compile)))
+
+
+def _route_inductor():
     wrapper = torch._TorchCompileInductorWrapper
     _replace(wrapper, "__call__", backend.routed_to_tpu(wrapper.__call__))
+
+
+def _defer_dynamo_disable_until_imported():
     if "torch._dynamo" not in sys.modules:
         _defer_dynamo_disable()
+
+
+_SET_DEVICE = ("PyTorch's device guard for Python backends always answers device 0, so "
+               "torch.tpu.set_device(local_rank) (torchrun's layout) would be ignored")
+_DYNAMO = "the first compilation for tpu (imports Dynamo), by _compile/backend.skip_own_frames()"
+_AUTOLOAD = "torchtpu_autoload.install(), at `import torch` (or at `import torchtpu`)"
+_OPTIMIZER_HOOKS = ("torch.optim.optimizer._global_optimizer_pre_hooks",
+                    "torch.optim.optimizer._global_optimizer_post_hooks")
+
+PATCHES = [
+    Patch(("jax.config.jax_enable_x64",),
+          "int64 (PyTorch's index type) and float64 would silently narrow",
+          runtime.enable_x64, "_core/runtime.py, at import: before any array exists"),
+    Patch(("torch.tpu.__class__",), "torch.tpu.eager_mode reads and assigns like an attribute",
+          torch_tpu.use_device_module_class,
+          "_frontend/torch_tpu.py, at import: before the module is registered as torch.tpu"),
+    Patch(("torch.serialization._package_registry",),
+          "torch.save/torch.load of tpu storages; torch.load(map_location='tpu') as the first "
+          "use would otherwise copy into a storage the device cannot make before it loads",
+          torchtpu_autoload._register_serialization, _AUTOLOAD),
+    Patch(("torch.distributed.Backend._plugins",),
+          "the c10d backend \"tpu\" (init_process_group(\"tpu\") loads the device); "
+          "_distributed.register() makes the same registration if it is missing",
+          torchtpu_autoload._register_c10d_backend, _AUTOLOAD),
+    Patch(("accelerate.state.PartialState.default_device", "sys.meta_path"),
+          "accelerate knows a fixed list of device types and would keep the Trainer's batches "
+          "on the CPU while its model is on tpu; it picks tpu where it would pick the CPU. "
+          "A sys.meta_path finder patches accelerate.state when it is imported (`import torch` "
+          "must not import accelerate)",
+          torchtpu_autoload._install_accelerate_hook, _AUTOLOAD),
+    Patch(("torch.nn.Module._apply",),
+          "module.to('tpu') gives each module a new Parameter (PyTorch's list of 'shallow-copy "
+          "compatible' backends leaves out PrivateUse1), untying shared weights; the ties are "
+          "restored as on CUDA", _keep_ties),
+    Patch(("torch.Tensor.data",),
+          "`p.data = t` between the CPU and tpu (FSDP2's `fully_shard` moves a CPU module's "
+          "parameters to its mesh's device this way, as user code does on CUDA) fails "
+          "PyTorch's check that the two are 'shallow-copy compatible', whose list of dense "
+          "backends leaves out PrivateUse1 (pytorch/pytorch#196975); such a leaf takes `t`'s "
+          "tensor in place, keeping its object, class, attributes, requires_grad and grad. "
+          "A property on torch.Tensor whose getter is TensorBase's own", _data_setter),
+    Patch(("torch.Tensor.to",), "an index-less 'tpu' means the current device: " + _SET_DEVICE,
+          _current_device_to),
+    Patch(("torch.accelerator.current_device_index", "torch.accelerator.current_device_idx"),
+          _SET_DEVICE, _current_device_index),
+    Patch(("torch.accelerator.set_device_index", "torch.accelerator.set_device_idx"),
+          _SET_DEVICE, _set_device_index),
+    Patch(tuple(f"torch.accelerator.{name}" for name in _ACCELERATOR_MEMORY)
+          + tuple(f"torch.accelerator.memory.{name}" for name in _ACCELERATOR_MEMORY),
+          "PyTorch's ask the device's C++ caching allocator, which a Python backend cannot "
+          "register (an internal assert fails); accelerate >= 1.16 calls "
+          "torch.accelerator.empty_cache() in Trainer.train() for devices it does not know. "
+          "torch.accelerator.memory's too: memory_allocated and the others read them",
+          _accelerator_memory),
+    Patch(("torch.UntypedStorage.resize_",),
+          "PyTorch resizes a PrivateUse1 storage through a C++ hook Python cannot provide; "
+          "FSDP2 frees and re-creates parameters with resize_(0) / resize_(n)", _resize_storage),
+    Patch(("torch.compile",),
+          "the first call makes Dynamo skip torchtpu's and JAX's frames, so importing "
+          "torchtpu does not import Dynamo; backend=\"tpu\" with mode=\"reduce-overhead\" "
+          "returns a whole step replayed as one executable (_compile/step.py)", _compile),
+    Patch(("torch._TorchCompileInductorWrapper.__call__",),
+          "torch.compile's default backend (inductor) cannot generate code for tpu: graphs "
+          "with tpu inputs go to the tpu backend", _route_inductor),
+    Patch(("__dynamo_disable of the functions torch._disable_dynamo wraps",),
+          "PyTorch's Python references, meta kernels and decompositions: their first call "
+          "imports Dynamo (1.3-2.2 s here) to disable it around them, and many meta kernels of "
+          "tpu ops are such functions: a process's first op on tpu paid it, where CPU torch "
+          "does not. Until Dynamo is imported nothing can be tracing them, so they run as they "
+          "are; their first call after that disables Dynamo as PyTorch's wrapper would (found "
+          "by one scan of the garbage collector's objects, ~0.07 s). torch.optim's are left as "
+          "PyTorch made them: an optimizer's first step imports Dynamo anyway (its "
+          "`_use_grad`), and stock PyTorch pays that import when the optimizer is made "
+          "(`add_param_group`), not inside the first training step",
+          _defer_dynamo_disable_until_imported),
+    Patch(_OPTIMIZER_HOOKS[1:], "fused eager runs its trace when optimizer.step() returns",
+          fused.install),
+    Patch(_OPTIMIZER_HOOKS[:1],
+          "SGD momentum buffers exist before the first step, which then compiles as every "
+          "later one", optimizer_state.install),
+    Patch(_OPTIMIZER_HOOKS,
+          "a torch.tpu graph being captured refuses optimizers that are not capturable or have "
+          "no state yet before their step, and records the step's end after it",
+          tpu_graphs.install),
+    Patch(("jax._src.compilation_cache._cache", "jax._src.compilation_cache._cache_initialized",
+           "jax.config.jax_compilation_cache_dir",
+           "jax.config.jax_persistent_cache_min_compile_time_secs",
+           "jax._src.monitoring._event_listeners"),
+          "the persistent executable cache: JAX takes any CacheInterface as its backend once "
+          "`_cache` is set, and ours keeps entries private and verified (JAX's own file cache "
+          "creates files with the umask and loads whatever it finds); JAX consults it only "
+          "when jax_compilation_cache_dir is set; the listener counts JAX's cache hits in "
+          "torchtpu.metrics(). Nothing is patched when the cache is off",
+          cache.enable),
+    Patch(("torch._dynamo.trace_rules.SKIP_DIRS",),
+          "torchtpu's layers and JAX run below the dispatcher: Dynamo must not trace them",
+          backend.skip_own_frames, _DYNAMO),
+    Patch(("torch._dynamo.variables.optimizer.OptimizerVariable._set_capturable",
+           "torch._dynamo.variables.optimizer.OptimizerVariable.__init__"),
+          "Dynamo compiles capturable optimizer steps only for CUDA/XPU parameters; on the "
+          "host `step` would split every compiled step. __init__ marks them too where a step "
+          "inlined into a compiled caller never reads `param_groups` through Dynamo's hook (a "
+          "second optimizer in one process)", backend.capturable_optimizers_on_tpu, _DYNAMO),
+    Patch(_OPTIMIZER_HOOKS[:1],
+          "optimizers without state yet that a mode=\"reduce-overhead\" step warms up keep "
+          "their state on the device (capturable, as Dynamo makes a compiled step's), so the "
+          "step can be captured", step.capturable_optimizers,
+          "_compile/step.py, around each eager warm-up call (the hook is removed after it)"),
+    Patch(("jax.config.jax_cpu_collectives_implementation", "os.environ XLA_FLAGS"),
+          "cross-process collectives on the CPU run on gloo; and --xla_cpu_enable_concurrency_"
+          "optimized_scheduler=false (unless XLA_FLAGS names it): that scheduler ordered "
+          "collectives that do not depend on each other differently in different processes, "
+          "and gloo pairs them by order (two FSDP blocks' all-gathers swapped their data)",
+          launch.initialize,
+          "_distributed/launch.initialize(), before jax.distributed.initialize (multi-process "
+          "jobs only; XLA reads its flags when its backends start, which is after)"),
+]
+
+_installed = []
+
+
+def install():
+    """Apply the patches made at import, once per process."""
+    if _installed:
+        return
+    _installed.append(True)
+    for patch in PATCHES:
+        if patch.when == AT_IMPORT:
+            patch.apply()
 
 
 # --- torch._disable_dynamo: no Dynamo import before Dynamo is used ---------------------------

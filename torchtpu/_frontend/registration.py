@@ -3,8 +3,10 @@ registered by torchtpu_autoload, at `import torch` or at the top of `import torc
 import torchtpu_autoload
 
 from . import serialization
+from .._distributed import _create
 from .._execution import fallback
 
 
 def register_backend(module):
-    torchtpu_autoload.register(module, fallback._fallback, serialization._tag, serialization._restore)
+    torchtpu_autoload.register(module, fallback._fallback, serialization._tag,
+                               serialization._restore, _create)

@@ -294,4 +294,9 @@ class _DeviceModule(types.ModuleType):
         _fused.set_mode(mode)
 
 
-sys.modules[__name__].__class__ = _DeviceModule
+def use_device_module_class():
+    """torch.tpu.eager_mode reads and assigns like an attribute (patches.PATCHES)."""
+    sys.modules[__name__].__class__ = _DeviceModule
+
+
+use_device_module_class()

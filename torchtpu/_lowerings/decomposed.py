@@ -26,8 +26,9 @@ from .._core.registry import TABLE, Promote, bind, lowering, parameters
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-# CompositeExplicitAutograd ops whose composite kernel calls something with no tpu kernel.
-COMPOSITE_EXPLICIT = set()
+# CompositeExplicitAutograd ops whose composite kernel calls something with no tpu kernel (the
+# loss backwards' call their out= variants, which come from the functional lowering).
+COMPOSITE_EXPLICIT = {aten.smooth_l1_loss_backward.default, aten.huber_loss_backward.default}
 
 # Decompositions not used: these mutate a view of a fresh tensor (copy_ into a diagonal, a
 # slice...), which a value graph cannot express, while PyTorch's own composite kernel already

@@ -149,11 +149,6 @@ def native_dropout(key, x, p, train=None):
     return jnp.where(keep, x / (1.0 - p), 0).astype(x.dtype), keep
 
 
-@lowering("aten::native_dropout_backward.default")
-def native_dropout_backward(grad, mask, scale):
-    return grad * mask * scale
-
-
 @lowering("aten::exponential_.default", random=True, fill=True)
 def exponential_(key, x, lambd=1.0, generator=None):
     return (jax.random.exponential(key, x.shape, jnp.float32) / lambd).astype(x.dtype)

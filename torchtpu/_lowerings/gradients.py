@@ -1,8 +1,9 @@
 """Backward ops as the JAX gradient of their forward lowering.
 
 PyTorch's autograd calls a dedicated backward op for these (upsampling, replication padding,
-margin losses, grid sampling). Each is the vector-Jacobian product of the table's own forward lowering, so the
-two always agree; upsampling and padding are linear, so their VJP at any point is exact."""
+margin losses, grid sampling, soft/hard shrink). Each is the vector-Jacobian product of the
+table's own forward lowering, so the two always agree; upsampling and padding are linear, so
+their VJP at any point is exact."""
 import jax
 import jax.numpy as jnp
 import torch
@@ -43,6 +44,11 @@ def _input_backward(forward):
 for _n in (1, 2, 3):
     lowering(f"aten::replication_pad{_n}d_backward.default")(
         _input_backward(getattr(aten, f"replication_pad{_n}d").default))
+
+# Their forwards are PyTorch's decompositions, which take lambd as a constant.
+for _name in ("softshrink", "hardshrink"):
+    lowering(f"aten::{_name}_backward.default", static=("lambd",))(
+        _input_backward(getattr(aten, _name).default))
 
 
 @lowering("aten::multi_margin_loss_backward.default", static=("p", "margin"))

@@ -1,5 +1,6 @@
 """Gather/scatter-style indexing.  JAX clamps or drops out-of-range indices; PyTorch raises,
-so every index is bounds-checked (the op synchronises on the check before committing)."""
+so every index is bounds-checked: the check is computed by the op's executable and read at the
+host's next wait, as CUDA's device asserts are (_execution/sync.py)."""
 import functools
 
 import jax.numpy as jnp

@@ -1,13 +1,12 @@
-"""Neural-network ops and their backward ops (backward lowerings reuse the forward through
-jax.vjp where PyTorch's formula is just the derivative).
+"""Neural-network ops and their backward ops.
 
-The closed-form backward lowerings left here (threshold, leaky_relu, hardtanh, softmax,
-log_softmax, layer norm, mse/smooth_l1/huber losses) are measured equal to the CPU's gradients
-in float32, bfloat16 and complex64 where PyTorch differentiates them:
-  python -m torchtpu.conformance --ops <op> --dtypes float32,complex64,bfloat16 \
-      --grad-dtypes float32,complex64,bfloat16
-A restated formula that fails that check goes: tanh's and sigmoid's missed the complex
-conjugate and bfloat16's float32 compute, which PyTorch's decompositions have."""
+A backward op is PyTorch's decomposition (decomposed.py picks up every op without a lowering
+here) or the jax.vjp of its forward lowering; a hand-written one says beside it what it saves,
+measured (python benchmarks/backward_lowerings.py). The formulas of threshold, leaky_relu,
+hardtanh, softmax, log_softmax, layer norm and the mse/smooth_l1/huber losses gave way to
+PyTorch's decompositions: they had no measured reason (the decompositions' first calls cost
+up to 40 ms more, their steady calls the same), and the conformance runner passes the same samples
+of the ops using them, float32 and bfloat16, gradients included (703 of 703)."""
 import functools
 import itertools
 import operator
@@ -82,11 +81,6 @@ def threshold(x, threshold, value):
     return jnp.where(x <= threshold, value, x)
 
 
-@lowering("aten::threshold_backward.default", promote=Promote.RESULT)
-def threshold_backward(grad, x, threshold):
-    return jnp.where(x <= threshold, 0, grad)
-
-
 def _gelu(x, approximate="none"):
     return jax.nn.gelu(x, approximate=approximate == "tanh")
 
@@ -116,11 +110,6 @@ def leaky_relu(x, negative_slope=0.01):
     return jnp.where(x > 0, x, x * negative_slope)
 
 
-@lowering("aten::leaky_relu_backward.default")
-def leaky_relu_backward(grad, x, negative_slope, self_is_result):
-    return jnp.where(x > 0, grad, grad * negative_slope)
-
-
 @lowering("aten::elu.default")
 def elu(x, alpha=1, scale=1, input_scale=1):
     return jnp.where(x > 0, x * scale, alpha * scale * jnp.expm1(x * input_scale))
@@ -131,19 +120,9 @@ def hardtanh(x, min_val=-1, max_val=1):
     return jnp.clip(x, min_val, max_val)
 
 
-@lowering("aten::hardtanh_backward.default")
-def hardtanh_backward(grad, x, min_val, max_val):
-    return jnp.where((x <= min_val) | (x >= max_val), 0, grad)
-
-
 @lowering("aten::softplus.default")
 def softplus(x, beta=1, threshold=20):
     return jnp.where(x * beta > threshold, x, jnp.log1p(jnp.exp(x * beta)) / beta)
-
-
-def _axis(x, dim):
-    # A 0-dim tensor takes dim 0 or -1 as its only "dimension".
-    return None if x.ndim == 0 else dim
 
 
 @lowering("aten::_softmax.default", opmath=True)
@@ -168,16 +147,6 @@ def log_softmax(x, dim, half_to_float=False):
     if x.ndim == 0:
         return x - x
     return jax.nn.log_softmax(x, axis=dim)
-
-
-@lowering("aten::_softmax_backward_data.default", opmath=True)
-def softmax_backward(grad, y, dim, input_dtype):
-    return (grad - jnp.sum(grad * y, axis=_axis(y, dim), keepdims=True)) * y
-
-
-@lowering("aten::_log_softmax_backward_data.default", opmath=True)
-def log_softmax_backward(grad, y, dim, input_dtype):
-    return grad - jnp.exp(y) * jnp.sum(grad, axis=_axis(y, dim), keepdims=True)
 
 
 def _layer_norm(x, normalized_shape, weight, bias, eps):
@@ -208,25 +177,6 @@ def native_layer_norm(x, normalized_shape, weight, bias, eps):
     return _layer_norm(x, normalized_shape, weight, bias, eps)
 
 
-@lowering("aten::native_layer_norm_backward.default")
-def native_layer_norm_backward(grad, x, normalized_shape, mean, rstd, weight, bias, output_mask):
-    # The saved mean/rstd (eps already folded in) give the closed-form gradient directly;
-    # in float32 at least (the CPU kernel's saved statistics may be half precision).
-    axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
-    acc = jnp.promote_types(mean.dtype, jnp.float32)
-    mean, rstd = mean.astype(acc), rstd.astype(acc)
-    xf = x.astype(acc)
-    xhat = (xf - mean) * rstd
-    g = grad.astype(acc)
-    gw = g * weight.astype(acc) if weight is not None else g
-    dx = rstd * (gw - jnp.mean(gw, axis=axes, keepdims=True)
-                 - xhat * jnp.mean(gw * xhat, axis=axes, keepdims=True))
-    lead = tuple(range(x.ndim - len(normalized_shape)))
-    dw = jnp.sum(g * xhat, axis=lead) if weight is not None and output_mask[1] else None
-    db = jnp.sum(g, axis=lead) if bias is not None and output_mask[2] else None
-    return (dx.astype(x.dtype) if output_mask[0] else None), dw, db
-
-
 @lowering("aten::native_group_norm.default", opmath=True)
 def native_group_norm(x, weight, bias, n, c, hw, group, eps):
     xg = x.reshape(n, group, (c // group) * hw)
@@ -254,6 +204,10 @@ def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=
     return jnp.take(weight, indices, axis=0)
 
 
+# Hand-written: PyTorch's decomposition of this op costs 1.7x its first call (trace and compile:
+# 220-237 ms against 124-146 ms for a [8, 128, 256] gradient of 1024 rows; the steady call is
+# the same), paid by every language model's first training step and every new batch shape
+# (python benchmarks/backward_lowerings.py --ops embedding_dense_backward, 2026-12-03).
 @lowering("aten::embedding_dense_backward.default")
 def embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq):
     flat_idx = indices.reshape(-1)
@@ -326,37 +280,6 @@ def binary_cross_entropy(x, target, weight=None, reduction=1):
 def mse_loss(x, y, reduction=1):
     d = jnp.square(x - y)
     return d if reduction == 0 else jnp.mean(d) if reduction == 1 else jnp.sum(d)
-
-
-@lowering("aten::mse_loss_backward.default")
-def mse_loss_backward(grad, x, y, reduction):
-    scale = 2.0 / x.size if reduction == 1 else 2.0
-    return grad * scale * (x - y)
-
-
-
-
-def _pointwise_loss_backward(grad, x, y, reduction, derivative):
-    """The gradient of a pointwise loss w.r.t. its input: `derivative(x - y)` times the incoming
-    gradient (a scalar unless reduction is 'none'), divided by the count for 'mean'."""
-    d = derivative(x - y)
-    scale = 1.0 / x.size if reduction == 1 else 1.0
-    return (grad * scale * d).astype(x.dtype)
-
-
-@lowering("aten::smooth_l1_loss_backward.default")
-def smooth_l1_loss_backward(grad, x, y, reduction, beta):
-    if beta == 0:
-        return _pointwise_loss_backward(grad, x, y, reduction, jnp.sign)
-    return _pointwise_loss_backward(
-        grad, x, y, reduction, lambda d: jnp.where(jnp.abs(d) < beta, d / beta, jnp.sign(d)))
-
-
-@lowering("aten::huber_loss_backward.default")
-def huber_loss_backward(grad, x, y, reduction, delta):
-    return _pointwise_loss_backward(
-        grad, x, y, reduction,
-        lambda d: jnp.where(jnp.abs(d) <= delta, d, delta * jnp.sign(d)))
 
 
 # --- pairwise distances ----------------------------------------------------------------------
@@ -592,6 +515,8 @@ def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sp
             bag_size, max_indices.astype(jnp.int64))
 
 
+# The embedding_bag backward ops scatter by what the forward saved (offset2bag, bag_size,
+# maximum_indices), as PyTorch defines them; PyTorch has no decomposition of them.
 @lowering("aten::_embedding_bag_dense_backward.default")
 def embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices,
                                  num_weights, scale_grad_by_freq, mode, per_sample_weights=None,

@@ -432,16 +432,6 @@ def polar(magnitude, angle):
     return jax.lax.complex(magnitude * jnp.cos(angle), magnitude * jnp.sin(angle))
 
 
-@lowering("aten::softshrink_backward.default")
-def softshrink_backward(grad, x, lambd):
-    return jnp.where(jnp.abs(x) > lambd, grad, 0).astype(x.dtype)
-
-
-@lowering("aten::hardshrink_backward.default")
-def hardshrink_backward(grad, x, lambd):
-    return jnp.where(jnp.abs(x) > lambd, grad, 0).astype(x.dtype)
-
-
 @lowering("aten::gcd.default", promote=Promote.RESULT)
 def gcd(x, y):
     return jnp.gcd(x, y)

@@ -1,6 +1,11 @@
 """Pooling: average (with ceil_mode / count_include_pad / divisor_override), adaptive average,
 max-pool backward from saved indices.  Backward ops reuse the forward through jax.vjp.
-(max_pool*_with_indices and adaptive_max_pool* forward come from PyTorch's decompositions.)"""
+(max_pool*_with_indices and adaptive_max_pool* forward come from PyTorch's decompositions.)
+
+The max-pool backward ops (3-D, adaptive, fractional) are no derivative formula: they take the
+indices the forward saved and send each output's gradient to the element its index names, as
+PyTorch defines them (PyTorch has no decomposition of them; the jax.vjp of a forward would pick
+its own maxima instead of the given ones)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
