@@ -337,30 +337,41 @@ def _generated_classes(module, classes):
     return out
 
 
-def _first_lines(text, n=3, limit=500):
-    """The exception line of a formatted traceback and the lines after it."""
-    lines = text.rstrip().splitlines()
-    start = 0
-    for i, line in enumerate(lines):
-        if line and not line[0].isspace() and not line.startswith(
-                ("Traceback", "During handling", "The above exception")):
-            start = i
-    return " ".join(ln.strip() for ln in lines[start:start + n] if ln.strip())[:limit]
+def _exc_text(err, limit=500):
+    exc_type, exc, _ = err
+    text = " ".join(ln.strip() for ln in str(exc).splitlines()[:4] if ln.strip())
+    return f"{exc_type.__name__}: {text}"[:limit]
 
 
 def _run_one(module, test_id):
     import unittest
+
+    class Result(unittest.TestResult):
+        first = None
+
+        def addError(self, test, err):
+            self.first = self.first or err
+            super().addError(test, err)
+
+        def addFailure(self, test, err):
+            self.first = self.first or err
+            super().addFailure(test, err)
+
+        def addSubTest(self, test, subtest, err):
+            if err is not None:
+                self.first = self.first or err
+            super().addSubTest(test, subtest, err)
+
     cls_name, _, name = test_id.partition(".")
     cls = getattr(module, cls_name, None)
     if cls is None or not hasattr(cls, name):
         return {"status": "missing", "message": "no such test", "seconds": 0.0}
-    result = unittest.TestResult()
+    result = Result()
     t = time.time()
     cls(name).run(result)
     seconds = round(time.time() - t, 3)
-    if result.errors or result.failures:
-        text = (result.errors or result.failures)[0][1]
-        return {"status": FAILED, "message": _first_lines(text), "seconds": seconds}
+    if result.first is not None:
+        return {"status": FAILED, "message": _exc_text(result.first), "seconds": seconds}
     if result.unexpectedSuccesses:
         return {"status": FAILED, "message": "unexpected success", "seconds": seconds}
     if result.skipped:
