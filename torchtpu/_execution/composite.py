@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from .._core.dtypes import to_torch_dtype
+from .._lowerings.meta import dtype_name
 from .._lowerings.batch_norm import _stats_dtype
 from .._lowerings.factories import _check_arange
 from . import fused, growing
@@ -102,9 +103,51 @@ def _arange_out(start, end, step=1, *, out):
     _check_arange(start, end, step, out.dtype)
     n = torch.arange(start, end, step, dtype=out.dtype, device="meta").numel()
     kernel = kernel_for(aten.arange.start_out)
+    if out.numel() != n:  # the CPU kernel's own warning, then a plain resize
+        if out.numel() > 0:
+            warnings.warn(f"The number of elements in the out tensor of shape {list(out.shape)} is "
+                          f"{out.numel()} which does not match the computed number of elements {n}. "
+                          "Note that this may occur as a result of rounding error. The out tensor "
+                          f"will be resized to a tensor of shape ({n},).", stacklevel=2)
+        out.resize_(0)
     if out.numel() != n or out.dim() == 1:
         return kernel(start, end, step, out=out)
     return out.copy_(kernel(start, end, step, out=out.new_empty(n)).view(out.shape))
+
+
+# --- eye(out=), nonzero(out=) ----------------------------------------------------------------
+
+def _eye_out(n, m=None, *, out):
+    # The CPU kernel resizes out without resize_output's warning; the meta kernel warns.
+    shape = (n, n if m is None else m)
+    if out.shape != shape and n >= 0 and shape[1] >= 0:
+        out.resize_(0)
+    if m is None:
+        return kernel_for(aten.eye.out)(n, out=out)
+    return kernel_for(aten.eye.m_out)(n, m, out=out)
+
+
+def _nonzero_out(x, *, out):
+    # The functional op's values decide the shape (a synchronisation, as on CUDA); like the
+    # CPU kernel, an out of another shape is resized (resize_output's warning) to a transposed
+    # (column-major) layout.
+    if out.dtype != torch.int64:
+        raise RuntimeError("nonzero: Expected out tensor to have scalar type Long but got scalar "
+                           f"type{dtype_name(out.dtype)}")
+    result = torch.nonzero(x)
+    shape = tuple(result.shape)
+    if out.shape != shape:
+        if out.numel() > 0:  # ATen's resize_output warning (the Python port words it apart)
+            warnings.warn(f"An output with one or more elements was resized since it had shape "
+                          f"{list(out.shape)}, which does not match the required output shape "
+                          f"{list(shape)}. This behavior is deprecated, and in a future PyTorch "
+                          "release outputs will not be resized unless they have zero elements. You "
+                          "can explicitly reuse an out tensor t by resizing it, inplace, to zero "
+                          "elements with t.resize_(0).", stacklevel=2)
+        out.resize_(0)
+        out.resize_(shape[::-1])
+        out.as_strided_(shape, (1, shape[0]))
+    return out.copy_(result)
 
 
 # --- zero_ -------------------------------------------------------------------------------
@@ -217,6 +260,9 @@ def kernels():
             aten._linalg_slogdet.default: _transposed_like_pytorch(aten._linalg_slogdet.default),
             aten.rrelu_with_noise.default: _rrelu_with_noise,
             aten.arange.start_out: _arange_out,
+            aten.eye.out: _eye_out,
+            aten.eye.m_out: _eye_out,
+            aten.nonzero.out: _nonzero_out,
             aten.zero_.default: _zero_,
             aten.huber_loss.default: _huber_loss,
             aten.where.self: _where,

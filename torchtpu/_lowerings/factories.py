@@ -60,12 +60,12 @@ def linspace(start, end, steps, dtype=None, layout=None, device=None, pin_memory
     return jnp.asarray(values.astype(t)).astype(out)
 
 
-@lowering("aten::eye.default")
+@lowering("aten::eye.default", "aten::eye.out")
 def eye(n, dtype=None, layout=None, device=None, pin_memory=None):
     return jnp.eye(n)
 
 
-@lowering("aten::eye.m")
+@lowering("aten::eye.m", "aten::eye.m_out")
 def eye_m(n, m, dtype=None, layout=None, device=None, pin_memory=None):
     return jnp.eye(n, m)
 

@@ -158,3 +158,26 @@ def _check_nansum_dtype(x, dim=None, keepdim=False, dtype=None, *rest):
 
 
 _also("aten::nansum.default", _check_nansum_dtype)
+
+
+# The backward of an in-place elu_/celu_/leaky_relu_ reads the forward's result in place of
+# its input, which a negative slope cannot invert: the CPU refuses rather than guess.
+_INPLACE_SLOPE = ("In-place {} backward calculation is triggered with a negative slope which is "
+                  "not supported. This is caused by calling in-place forward function with a "
+                  "negative slope, please call out-of-place version instead.")
+
+
+def _check_elu_backward(grad, alpha, scale, input_scale, is_result, *rest):
+    if is_result and alpha < 0:
+        raise RuntimeError(_INPLACE_SLOPE.format("elu"))
+
+
+def _check_leaky_relu_backward(grad, x, negative_slope, self_is_result):
+    if self_is_result and negative_slope < 0:
+        raise RuntimeError(_INPLACE_SLOPE.format("leakyReLu") + " File an issue at "
+                           "https://github.com/pytorch/pytorch if you do require supporting "
+                           "in-place leakRelu backward calculation with negative slope")
+
+
+_also("aten::elu_backward.default", _check_elu_backward)
+_also("aten::leaky_relu_backward.default", _check_leaky_relu_backward)

@@ -1,0 +1,118 @@
+"""What PyTorch's device-generic test suites found (python -m torchtpu.conformance --pytorch-tests,
+docs/pytorch_test_suites.md): one small case per fix, each run on the CPU and on tpu, which must
+agree in values, dtypes, shapes, strides, the exception raised (type and message) and the
+warnings given."""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchtpu  # noqa: F401
+
+
+def _run(call, device):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            result, error = call(device), None
+        except Exception as e:  # noqa: BLE001 - compared with the CPU's below
+            result, error = None, e
+        if device != "cpu":
+            torch.tpu.synchronize()
+    messages = sorted({str(w.message).split(" (Triggered internally")[0] for w in caught
+                       if not issubclass(w.category, DeprecationWarning)})
+    return result, error, messages
+
+
+def _flat(result):
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if isinstance(result, (tuple, list)):
+        return [t for r in result for t in _flat(r)]
+    return [result]
+
+
+def same_on_both(call):
+    expected, cpu_error, cpu_warnings = _run(call, "cpu")
+    got, tpu_error, tpu_warnings = _run(call, "tpu")
+    if cpu_error is not None:
+        assert type(tpu_error) is type(cpu_error), (tpu_error, cpu_error)
+        assert str(tpu_error) == str(cpu_error)
+    else:
+        assert tpu_error is None, tpu_error
+        for g, e in zip(_flat(got), _flat(expected), strict=True):
+            if isinstance(e, torch.Tensor):
+                assert g.device.type == "tpu" and g.dtype == e.dtype and g.shape == e.shape
+                assert g.stride() == e.stride(), (g.stride(), e.stride())
+                torch.testing.assert_close(g.cpu(), e, rtol=0, atol=0, equal_nan=True)
+            else:
+                assert g == e
+    assert tpu_warnings == cpu_warnings
+
+
+def _expanded(d):
+    return torch.tensor([-0.5], device=d).expand(3, 3)
+
+
+def _inplace_backward(forward):
+    def call(d):
+        x = torch.randn(4, generator=torch.Generator().manual_seed(0)).to(d).requires_grad_()
+        forward(x.clone()).sum().backward()
+        return x.grad
+    return call
+
+
+def _out(shape, dtype=torch.float32, transposed=False):
+    def make(d):
+        t = torch.empty(shape[::-1] if transposed else shape, dtype=dtype, device=d)
+        return t.t() if transposed else t
+    return make
+
+
+def _nonzero_out(out):
+    def call(d):
+        o = out(d)
+        torch.nonzero(torch.tensor([[0, 1], [1, 1]], device=d), out=o)
+        return o
+    return call
+
+
+def _eye_out(*args, out):
+    def call(d):
+        o = out(d)
+        torch.eye(*args, out=o)
+        return o
+    return call
+
+
+CASES = {
+    # An in-place elementwise op writing overlapping memory: ATen's TensorIterator refuses it.
+    "elu_overlap": lambda d: F.elu_(_expanded(d)),
+    "leaky_relu_overlap": lambda d: F.leaky_relu_(_expanded(d)),
+    "hardswish_overlap": lambda d: F.hardswish(_expanded(d), inplace=True),
+    "relu_overlap": lambda d: _expanded(d).relu_(),
+    "sign_overlap": lambda d: _expanded(d).sign_(),
+    "conj_physical_real_overlap": lambda d: _expanded(d).conj_physical_(),  # a no-op: allowed
+    # The backward of an in-place forward with a negative slope is refused.
+    "elu_negative_alpha": _inplace_backward(lambda x: F.elu_(x, alpha=-2.0)),
+    "celu_negative_alpha": _inplace_backward(lambda x: F.celu_(x, alpha=-2.0)),
+    "leaky_relu_negative_slope": _inplace_backward(lambda x: F.leaky_relu_(x, -2.0)),
+    "leaky_relu_positive_slope": _inplace_backward(lambda x: F.leaky_relu_(x, 0.2)),
+    # out= variants: nonzero resizes to a column-major layout (with resize_output's warning when
+    # out had elements), keeps an out of the right shape, refuses another dtype; eye resizes
+    # silently; arange warns in its own words.
+    "nonzero_out_resized": _nonzero_out(_out((2,), torch.int64)),
+    "nonzero_out_kept": _nonzero_out(_out((3, 2), torch.int64, transposed=True)),
+    "nonzero_out_dtype": _nonzero_out(_out((0,))),
+    "eye_out_resized": _eye_out(3, out=_out((2,))),
+    "eye_m_out_kept": _eye_out(3, 2, out=_out((3, 2), transposed=True)),
+    "eye_out_bool": _eye_out(2, 3, out=_out((0,), torch.bool)),
+    "eye_out_negative": _eye_out(-1, out=_out((0,))),
+    "arange_out_resized": lambda d: torch.arange(5, out=torch.empty(3, device=d)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_behaves_as_on_the_cpu(case):
+    same_on_both(CASES[case])
