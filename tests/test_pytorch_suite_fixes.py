@@ -110,6 +110,12 @@ CASES = {
     "eye_out_bool": _eye_out(2, 3, out=_out((0,), torch.bool)),
     "eye_out_negative": _eye_out(-1, out=_out((0,))),
     "arange_out_resized": lambda d: torch.arange(5, out=torch.empty(3, device=d)),
+    # all/any store into a bool or uint8 out only.
+    "all_out_float": lambda d: torch.all(torch.ones(3, device=d), out=torch.empty(0, device=d)),
+    "any_dim_out_int": lambda d: torch.any(torch.ones(3, 2, device=d), 1,
+                                           out=torch.empty(0, dtype=torch.int32, device=d)),
+    "all_out_uint8": lambda d: torch.all(torch.ones(3, device=d),
+                                         out=torch.empty(0, dtype=torch.uint8, device=d)),
 }
 
 

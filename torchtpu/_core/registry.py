@@ -83,6 +83,9 @@ class Lowering:
     # The out= variant takes only an out of the result's own dtype (the CPU kernel refuses to
     # cast, e.g. neg, round); other out= variants take any dtype the result can be cast to.
     exact_out: bool = False
+    # The out= variant takes a bool or uint8 out whatever the result's dtype and refuses any
+    # other (all, any: "all only supports bool tensor for result").
+    bool_out: bool = False
     # Its program checks element values on the device (`check`: an integer division's zero
     # divisor): it never runs over the spare elements of a padded array (_execution/padded.py).
     value_checks: bool = False

@@ -665,6 +665,11 @@ class OpKernel:
                 for t in (v if isinstance(v, (list, tuple)) else [v])]
         for out, dtype in zip(outs, results):
             dtype = to_torch_dtype(dtype)
+            if self.low.bool_out:
+                if out.dtype not in (torch.bool, torch.uint8):
+                    raise RuntimeError(f"{self.overload._schema.name.split('::')[1]} only supports "
+                                       f"bool tensor for result, got: {dtype_name(out.dtype)}")
+                continue
             if self.low.exact_out and out.dtype != dtype:
                 raise RuntimeError(f"Found dtype {dtype_name(out.dtype)} but expected {dtype_name(dtype)}")
             if not torch.can_cast(dtype, out.dtype):

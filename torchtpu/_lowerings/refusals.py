@@ -123,6 +123,9 @@ for _name in ("amax.default", "amin.default", "heaviside.default", "neg.default"
               "nan_to_num.default"):
     if (_low := _lowering("aten::" + _name)) is not None:
         _low.exact_out = True
+for _name in ("all.default", "all.dim", "all.dims", "any.default", "any.dim", "any.dims"):
+    if (_low := _lowering("aten::" + _name)) is not None:
+        _low.bool_out = True
 refuse(("bool",), "aten::addcmul.default", arity=3)
 refuse(("bool", "int"), "aten::uniform_.default", "aten::normal_.default")
 refuse(("bool", "int"), "aten::_adaptive_avg_pool2d.default", "aten::_adaptive_avg_pool3d.default")
