@@ -110,6 +110,15 @@ CASES = {
     "eye_out_bool": _eye_out(2, 3, out=_out((0,), torch.bool)),
     "eye_out_negative": _eye_out(-1, out=_out((0,))),
     "arange_out_resized": lambda d: torch.arange(5, out=torch.empty(3, device=d)),
+    # add/sub's alpha: ATen's checks of it against the computation's dtype.
+    "add_int_float_alpha": lambda d: torch.add(torch.ones(3, dtype=torch.int32, device=d), 1, alpha=1.1),
+    "add__int_float_alpha": lambda d: torch.ones(3, dtype=torch.int64, device=d).add_(
+        torch.ones(3, dtype=torch.int64, device=d), alpha=2.0),
+    "add_bool_alpha": lambda d: torch.ones(3, device=d).add(torch.ones(3, device=d), alpha=True),
+    "add_bool_bool_alpha": lambda d: torch.ones(3, dtype=torch.bool, device=d).add(
+        torch.ones(3, dtype=torch.bool, device=d), alpha=True),
+    "sub_complex_alpha": lambda d: torch.sub(torch.ones(3, device=d), torch.ones(3, device=d), alpha=1j),
+    "sub_float_alpha": lambda d: torch.sub(torch.ones(3, device=d), torch.ones(3, device=d), alpha=2.5),
     # all/any store into a bool or uint8 out only.
     "all_out_float": lambda d: torch.all(torch.ones(3, device=d), out=torch.empty(0, device=d)),
     "any_dim_out_int": lambda d: torch.any(torch.ones(3, 2, device=d), 1,

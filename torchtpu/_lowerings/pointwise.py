@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import torch
 from jax import lax
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from .._core.dtypes import check_scalar_fits
 from .._core.registry import Promote, check, lowering
@@ -17,7 +18,23 @@ def _not_complex(name):
     return validate
 
 
-@lowering("aten::add.Tensor", "aten::add.Scalar", promote=Promote.RESULT)
+def _check_alpha(x, y, alpha=1):
+    # ATen's alpha_check, on the dtype the op computes in (PyTorch's Python reference raises
+    # another message, and the table's promotion would quietly cast the alpha).
+    if alpha is None or (isinstance(alpha, int) and not isinstance(alpha, bool) and alpha == 1):
+        return
+    dtype = elementwise_dtypes(x, y, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)[1]
+    if isinstance(alpha, bool) and dtype != torch.bool:
+        raise RuntimeError("Boolean alpha only supported for Boolean results.")
+    if not (dtype.is_floating_point or dtype.is_complex or isinstance(alpha, int)):
+        raise RuntimeError("For integral input tensors, argument alpha must not be a floating "
+                           "point number.")
+    if isinstance(alpha, complex) and not dtype.is_complex:
+        raise RuntimeError("For non-complex input tensors, argument alpha must not be a complex "
+                           "number.")
+
+
+@lowering("aten::add.Tensor", "aten::add.Scalar", promote=Promote.RESULT, validate=_check_alpha)
 def add(x, y, alpha=1):
     return x + alpha * y
 
@@ -33,6 +50,7 @@ def _check_sub(x, y, alpha=1):
         raise RuntimeError("Subtraction, the `-` operator, with a bool tensor is not supported. "
                            "If you are trying to invert a mask, use the `~` or `logical_not()` "
                            "operator instead.")
+    _check_alpha(x, y, alpha)
 
 
 @lowering("aten::sub.Tensor", "aten::sub.Scalar", promote=Promote.RESULT, validate=_check_sub)
