@@ -35,8 +35,10 @@ def main(argv=None):
                    help="run PyTorch's own test suites from this source checkout instead of OpInfos")
     t.add_argument("--suites", default="", help="comma list of suites (default: all)")
     t.add_argument("--tests", default=None, help="only tests whose Class.name matches this regex")
+    t.add_argument("--opinfo-tests", action="store_true",
+                   help="also the OpInfo-parametrized tests (@ops), in float32")
     t.add_argument("--all-dtypes", action="store_true",
-                   help="no float32 slice of the large files (test_nn, test_torch, test_foreach, test_linalg)")
+                   help="every test in every dtype: no float32 slice, OpInfo-parametrized tests included")
     args = p.parse_args(argv)
     if args.pytorch_tests:
         return _pytorch_tests(p, args, argv)
@@ -86,21 +88,22 @@ def _pytorch_tests(p, args, argv):
     except (FileNotFoundError, ValueError) as exc:
         p.error(str(exc))
     start = time.time()
+    command = "python -m torchtpu.conformance " + " ".join(argv if argv is not None else sys.argv[1:])
     results = []
     for suite in suites:  # one at a time, each in processes of its own
         results += run_suites(args.pytorch_tests, [suite], timeout=args.timeout or 300,
-                              pattern=args.tests, all_dtypes=args.all_dtypes, progress=not args.quiet)
-        if not args.quiet:
-            print(format_suites(results[-1:], header=len(results) == 1), flush=True)
+                              pattern=args.tests, all_dtypes=args.all_dtypes,
+                              opinfo_tests=args.opinfo_tests, progress=not args.quiet)
+        print(format_suites(results[-1:], header=len(results) == 1), flush=True)
+        if args.json:  # after each suite: a long sweep's finished suites are kept
+            with open(args.json, "w") as f:
+                json.dump({"command": command, "seconds": round(time.time() - start, 1),
+                           "suites": results}, f, indent=1)
     seconds = time.time() - start
-    command = "python -m torchtpu.conformance " + " ".join(argv if argv is not None else sys.argv[1:])
     if not args.quiet:
         print(format_suite_failures(results))
     print(format_suites(results, total=True))
     print(f"{seconds:.0f}s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": command, "seconds": round(seconds, 1), "suites": results}, f, indent=1)
     if args.write_doc:
         write_suites_doc(args.write_doc, results, command, seconds)
     return 0

@@ -211,8 +211,8 @@ def _list_tests(tests, file, classes, log):
             worker.kill()
 
 
-def run_suite(tests, suite, *, timeout=300, pattern=None, all_dtypes=False, log_dir=None,
-              progress=True):
+def run_suite(tests, suite, *, timeout=300, pattern=None, all_dtypes=False, opinfo_tests=False,
+              log_dir=None, progress=True):
     """Runs one suite's tpu tests, then the CPU twins of those that did not pass."""
     start = time.time()
     out = {"suite": suite.name, "file": None, "counts": dict.fromkeys(
@@ -230,7 +230,11 @@ def run_suite(tests, suite, *, timeout=300, pattern=None, all_dtypes=False, log_
     except RuntimeError as exc:
         out["error"] = str(exc)
         return out
-    ids = [t for t in ids if keep_test(t.partition(".")[2], suite.float32_only and not all_dtypes)]
+    # OpInfo-parametrized tests: only with opinfo_tests (the OpInfo sweep runs those ops' samples),
+    # in float32 unless all_dtypes.
+    ids = [t for t, opinfo in ids
+           if (opinfo_tests or all_dtypes or not opinfo)
+           and keep_test(t.partition(".")[2], (suite.float32_only or opinfo) and not all_dtypes)]
     if pattern:
         ids = [t for t in ids if re.search(pattern, t)]
     bar = Progress(len(ids), enabled=progress)
@@ -267,11 +271,12 @@ def select_suites(names):
     return chosen
 
 
-def run_suites(path, suites=None, *, timeout=300, pattern=None, all_dtypes=False, progress=True,
-               log_dir=None):
+def run_suites(path, suites=None, *, timeout=300, pattern=None, all_dtypes=False,
+               opinfo_tests=False, progress=True, log_dir=None):
     tests = test_dir(path)
     return [run_suite(tests, s, timeout=timeout, pattern=pattern, all_dtypes=all_dtypes,
-                      progress=progress, log_dir=log_dir) for s in suites or SUITES]
+                      opinfo_tests=opinfo_tests, progress=progress, log_dir=log_dir)
+            for s in suites or SUITES]
 
 
 # --- the worker ------------------------------------------------------------------------------
@@ -323,6 +328,13 @@ def _import_test_file(tests, file):
             for name in [n for n in sys.modules if n == module_name]:
                 del sys.modules[name]
     raise ImportError(f"{file}: too many missing names")
+
+
+def _opinfo_test(cls, name):
+    """Whether a generated test is one OpInfo's instance of an @ops test (its bound parameters,
+    instantiate_test's `param_kwargs` default, hold the OpInfo)."""
+    defaults = getattr(getattr(cls, name), "__defaults__", None) or ()
+    return any(isinstance(d, dict) and "op" in d for d in defaults)
 
 
 def _generated_classes(module, classes):
@@ -395,7 +407,8 @@ def worker_main(argv):
     module = _import_test_file(tests, file)
     if mode == "list":
         import unittest
-        ids = [f"{c}.{t}" for c in _generated_classes(module, classes)
+        ids = [[f"{c}.{t}", _opinfo_test(getattr(module, c), t)]
+               for c in _generated_classes(module, classes)
                for t in unittest.defaultTestLoader.getTestCaseNames(getattr(module, c))]
         proto.write(json.dumps({"tests": ids}) + "\n")
         return 0
