@@ -86,6 +86,20 @@ def _eye_out(*args, out):
     return call
 
 
+def _under_float64_after_float32(op):
+    """`op` under the float32 default, then under float64 (which must not reuse the first's
+    executable: the default dtype decides an integer division's dtype)."""
+    def call(d):
+        first = op(d)
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            return first, op(d)
+        finally:
+            torch.set_default_dtype(old)
+    return call
+
+
 def _igamma_grid(d):
     values = [0.0, 1e-3, 1.0, 10.0, float("inf"), -1.0, float("nan")]
     a, x = torch.tensor(values).repeat_interleave(len(values)), torch.tensor(values).repeat(len(values))
@@ -125,6 +139,13 @@ CASES = {
         torch.ones(3, dtype=torch.bool, device=d), alpha=True),
     "sub_complex_alpha": lambda d: torch.sub(torch.ones(3, device=d), torch.ones(3, device=d), alpha=1j),
     "sub_float_alpha": lambda d: torch.sub(torch.ones(3, device=d), torch.ones(3, device=d), alpha=2.5),
+    # Results whose dtype is the default dtype's.
+    "div_int_default_float64": _under_float64_after_float32(
+        lambda d: torch.tensor([1, 2], device=d) / torch.tensor([3, 4], device=d)),
+    "true_divide_int_default_float64": _under_float64_after_float32(
+        lambda d: torch.true_divide(torch.tensor([1, 2], device=d), torch.tensor([3, 4], device=d))),
+    "add_int_float_default_float64": _under_float64_after_float32(
+        lambda d: torch.tensor([1, 2], device=d) + 2.5),
     # igamma/igammac's edge values: PyTorch's cases, in its order (infinite a and x: NaN).
     "igamma_edges": lambda d: torch.igamma(*_igamma_grid(d)),
     "igammac_edges": lambda d: torch.igammac(*_igamma_grid(d)),

@@ -250,8 +250,10 @@ class OpKernel:
         if device is None:
             device = runtime.current_device()
         scalars += offsets  # (after the op's own numbers: run() takes them from the end)
-        if not buffers:
-            key.append(torch.get_default_dtype())
+        # The default dtype decides a factory's dtype and an integer input's or a Python
+        # float's promotion (int / int, int + 2.5): an executable built under float32 must not
+        # serve a call under float64.
+        key.append(torch.get_default_dtype())
         if mode is None:
             mode = modes.get_eager_mode()
         fused_mode = mode is _FUSED
