@@ -146,6 +146,11 @@ CASES = {
         lambda d: torch.true_divide(torch.tensor([1, 2], device=d), torch.tensor([3, 4], device=d))),
     "add_int_float_default_float64": _under_float64_after_float32(
         lambda d: torch.tensor([1, 2], device=d) + 2.5),
+    # xlogy/xlog1py: a NaN y gives NaN even where x is zero (here a bool x, promoted).
+    "xlogy_bool_nan": lambda d: torch.xlogy(torch.tensor([False, True, False], device=d),
+                                            torch.tensor([float("nan"), 2.0, -1.0], device=d)),
+    "xlog1py_bool_nan": lambda d: torch.special.xlog1py(
+        torch.tensor([False, True, False], device=d), torch.tensor([float("nan"), 2.0, -1.0], device=d)),
     # igamma/igammac's edge values: PyTorch's cases, in its order (infinite a and x: NaN).
     "igamma_edges": lambda d: torch.igamma(*_igamma_grid(d)),
     "igammac_edges": lambda d: torch.igammac(*_igamma_grid(d)),

@@ -316,9 +316,15 @@ def complex_logaddexp(x, y):
     return jnp.where(nan, jnp.array(complex(jnp.nan, jnp.nan), x.dtype), result)
 
 
+def xlog(x, y, log):
+    """PyTorch's xlogy/xlog1py: NaN where y is NaN, else 0 where x is 0 (a NaN y with a zero x
+    gives NaN, where SciPy's gives 0), else x * log(y)."""
+    return jnp.where(jnp.isnan(y), jnp.nan, jnp.where(x == 0, 0, x * log(y)))
+
+
 @lowering("aten::xlogy.Tensor", promote=Promote.RESULT)
 def xlogy(x, y):
-    return jax.scipy.special.xlogy(x, y)
+    return xlog(x, y, jnp.log)
 
 
 # --- comparisons and logic -------------------------------------------------------------

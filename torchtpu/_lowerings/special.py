@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import jax.scipy.special as jss
 from jax import lax
 
-from .pointwise import digamma
+from .pointwise import digamma, xlog
 from .._core.registry import Promote, lowering
 
 
@@ -40,12 +40,12 @@ def logit(x, eps=None):
 @lowering("aten::special_xlog1py.default", "aten::special_xlog1py.self_scalar",
           "aten::special_xlog1py.other_scalar", promote=Promote.RESULT, opmath=True)
 def xlog1py(x, y):
-    return jss.xlog1py(x, y)
+    return xlog(x, y, jnp.log1p)
 
 
 @lowering("aten::xlogy.Scalar_Self", "aten::xlogy.Scalar_Other", promote=Promote.RESULT)
 def xlogy_scalar(x, y):
-    return jss.xlogy(x, y)
+    return xlog(x, y, jnp.log)
 
 
 @lowering("aten::special_zeta.default", "aten::special_zeta.self_scalar",
