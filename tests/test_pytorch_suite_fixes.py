@@ -100,6 +100,19 @@ def _under_float64_after_float32(op):
     return call
 
 
+def _encoder_layer(norm_first, activation, masked):
+    """nn.TransformerEncoderLayer in eval mode without grad: PyTorch's fast path, one fused op."""
+    def call(d):
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, norm_first=norm_first,
+                                                 activation=activation).eval().to(d)
+        x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1)).to(d)
+        mask = torch.tensor([[False] * 5, [False, False, False, True, True]], device=d)
+        with torch.no_grad():
+            return layer(x, src_key_padding_mask=mask if masked else None)
+    return call
+
+
 def _igamma_grid(d):
     values = [0.0, 1e-3, 1.0, 10.0, float("inf"), -1.0, float("nan")]
     a, x = torch.tensor(values).repeat_interleave(len(values)), torch.tensor(values).repeat(len(values))
@@ -154,6 +167,9 @@ CASES = {
     # igamma/igammac's edge values: PyTorch's cases, in its order (infinite a and x: NaN).
     "igamma_edges": lambda d: torch.igamma(*_igamma_grid(d)),
     "igammac_edges": lambda d: torch.igammac(*_igamma_grid(d)),
+    # Ops PyTorch's fast paths call.
+    "transformer_encoder_layer": _encoder_layer(False, "relu", False),
+    "transformer_encoder_layer_norm_first_gelu_masked": _encoder_layer(True, "gelu", True),
     # all/any store into a bool or uint8 out only.
     "all_out_float": lambda d: torch.all(torch.ones(3, device=d), out=torch.empty(0, device=d)),
     "any_dim_out_int": lambda d: torch.any(torch.ones(3, 2, device=d), 1,

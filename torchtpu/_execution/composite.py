@@ -150,6 +150,43 @@ def _nonzero_out(x, *, out):
     return out.copy_(result)
 
 
+# --- nn.TransformerEncoderLayer's inference fast path ----------------------------------------
+
+# PyTorch takes the fused encoder-layer op for privateuse1 tensors too (eval mode, no grad); its
+# kernel (ATen's transformer_encoder_layer_forward) is this sequence of ops, each a tpu op.
+def _transformer_encoder_layer_fwd(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight,
+                                   proj_bias, use_gelu, norm_first, eps, norm_weight_1, norm_bias_1,
+                                   norm_weight_2, norm_bias_2, ffn_weight_1, ffn_bias_1,
+                                   ffn_weight_2, ffn_bias_2, mask=None, mask_type=None):
+    if src.numel() == 0:
+        return src.clone()
+
+    def norm(x, weight, bias):
+        return F.layer_norm(x, (embed_dim,), weight, bias, eps)
+
+    x = norm(src, norm_weight_1, norm_bias_1) if norm_first else src
+    # The op's mask: (batch, seq) key padding (mask_type 1), (seq, seq) attention mask (0), or
+    # both merged into (batch, heads, seq, seq) (2); True masks out, as in MultiheadAttention.
+    padding = mask if mask is not None and mask_type == 1 else None
+    attn_mask = None if mask is None or mask_type == 1 else \
+        mask.reshape(-1, *mask.shape[-2:]) if mask.dim() == 4 else mask
+    q = x.transpose(0, 1)  # the fast path is taken for batch_first layers only
+    x = F.multi_head_attention_forward(
+        q, q, q, embed_dim, num_heads, qkv_weight, qkv_bias, None, None, False, 0.0, proj_weight,
+        proj_bias, training=False, key_padding_mask=padding, need_weights=False,
+        attn_mask=attn_mask)[0].transpose(0, 1)
+    x = x + src
+    if not norm_first:
+        x = norm(x, norm_weight_1, norm_bias_1)
+    residual = x
+    if norm_first:
+        x = norm(x, norm_weight_2, norm_bias_2)
+    x = F.linear(x, ffn_weight_1, ffn_bias_1)
+    x = F.gelu(x) if use_gelu else F.relu(x)
+    x = F.linear(x, ffn_weight_2, ffn_bias_2) + residual
+    return x if norm_first else norm(x, norm_weight_2, norm_bias_2)
+
+
 # --- zero_ -------------------------------------------------------------------------------
 
 # Optimizers create their state with zeros_like (empty_like, then zero_) on their first step:
@@ -263,6 +300,7 @@ def kernels():
             aten.eye.out: _eye_out,
             aten.eye.m_out: _eye_out,
             aten.nonzero.out: _nonzero_out,
+            aten._transformer_encoder_layer_fwd.default: _transformer_encoder_layer_fwd,
             aten.zero_.default: _zero_,
             aten.huber_loss.default: _huber_loss,
             aten.where.self: _where,
