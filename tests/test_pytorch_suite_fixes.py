@@ -20,8 +20,8 @@ def _run(call, device):
             result, error = None, e
         if device != "cpu":
             torch.tpu.synchronize()
-    messages = sorted({str(w.message).split(" (Triggered internally")[0] for w in caught
-                       if not issubclass(w.category, DeprecationWarning)})
+    messages = sorted([str(w.message).split(" (Triggered internally")[0] for w in caught
+                       if not issubclass(w.category, DeprecationWarning)])
     return result, error, messages
 
 
@@ -113,6 +113,16 @@ def _encoder_layer(norm_first, activation, masked):
     return call
 
 
+def _warn_always(call):
+    def run(d):
+        torch.set_warn_always(True)
+        try:
+            return [call(d) for _ in range(2)]  # warned each time, not once per process
+        finally:
+            torch.set_warn_always(False)
+    return run
+
+
 def _igamma_grid(d):
     values = [0.0, 1e-3, 1.0, 10.0, float("inf"), -1.0, float("nan")]
     a, x = torch.tensor(values).repeat_interleave(len(values)), torch.tensor(values).repeat(len(values))
@@ -167,6 +177,8 @@ CASES = {
     # igamma/igammac's edge values: PyTorch's cases, in its order (infinite a and x: NaN).
     "igamma_edges": lambda d: torch.igamma(*_igamma_grid(d)),
     "igammac_edges": lambda d: torch.igammac(*_igamma_grid(d)),
+    # Warnings.
+    "_aminmax_deprecated_warn_always": _warn_always(lambda d: torch._aminmax(torch.arange(4.0, device=d))),
     # Ops PyTorch's fast paths call.
     "transformer_encoder_layer": _encoder_layer(False, "relu", False),
     "transformer_encoder_layer_norm_first_gelu_masked": _encoder_layer(True, "gelu", True),

@@ -227,11 +227,12 @@ def check(ok, message, exc_type=IndexError):
 
 def deprecated(message, validate=None):
     """A `validate` hook emitting PyTorch's once-per-process deprecation warning for an op
-    (TORCH_WARN_ONCE in its CPU kernel), then running `validate`."""
+    (TORCH_WARN_ONCE in its CPU kernel: every time under torch.set_warn_always(True)), then
+    running `validate`."""
     warned = []
 
     def hook(*args):
-        if not warned:
+        if not warned or torch.is_warn_always_enabled():
             warned.append(True)
             warnings.warn(message, UserWarning, stacklevel=_user_stacklevel())
         if validate is not None:
