@@ -47,6 +47,11 @@ def test_names():
     assert ps.keep_test("test_x_tpu", True) and ps.keep_test("test_x_tpu_float32", True)
     assert ps.keep_test("test_x_tpu_float32_int64", True)
     assert not ps.keep_test("test_x_tpu_int64", True) and ps.keep_test("test_x_tpu_int64", False)
+    assert ps.excluded("NotImplementedError: The operator 'aten::quantize_per_tensor.default' is "
+                       "not implemented for the tpu device") == "quantized"
+    assert ps.excluded("TypeError: dtype torch.complex32 is not supported") == "complex32"
+    assert ps.excluded("The operator 'aten::_to_sparse.default' is not implemented") == "sparse"
+    assert ps.excluded("AssertionError: Tensor-likes are not close!") is None
 
 
 def test_runs_a_suite_with_hangs_and_crashes(tmp_path):
@@ -64,7 +69,7 @@ def test_runs_a_suite_with_hangs_and_crashes(tmp_path):
         "test_skips_tpu": "skipped", "test_hangs_tpu": "crashed", "test_crashes_tpu": "crashed",
     }
     assert r["counts"] == {"ran": 7, "passed": 2, "failed_tpu_only": 1, "failed_both": 1,
-                           "skipped": 1, "crashed": 2}
+                           "skipped": 1, "crashed": 2, "excluded": 0}
     assert "timed out" in r["tests"]["TestShapeOpsPRIVATEUSE1.test_hangs_tpu"]["message"]
     assert "exit 3" in r["tests"]["TestShapeOpsPRIVATEUSE1.test_crashes_tpu"]["message"]
     assert "AssertionError" in r["tests"]["TestShapeOpsPRIVATEUSE1.test_tpu_only_tpu"]["message"]

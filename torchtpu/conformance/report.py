@@ -134,8 +134,8 @@ def write_doc(path, results, totals, dtypes, command):
 
 SUITES_BEGIN = "<!-- pytorch-test-suites: begin (python -m torchtpu.conformance --pytorch-tests) -->"
 SUITES_END = "<!-- pytorch-test-suites: end -->"
-_COLS = ("ran", "passed", "failed_tpu_only", "failed_both", "skipped", "crashed")
-_HEAD = ("ran", "passed", "tpu only", "both", "skipped", "crashed")
+_COLS = ("ran", "passed", "failed_tpu_only", "excluded", "failed_both", "skipped", "crashed")
+_HEAD = ("ran", "passed", "tpu only", "excluded", "both", "skipped", "crashed")
 
 
 def _read(path):
@@ -152,7 +152,7 @@ def _section(text, begin, end):
 
 
 def _totals(results):
-    return {k: sum(r["counts"][k] for r in results) for k in _COLS}
+    return {k: sum(r["counts"].get(k, 0) for r in results) for k in _COLS}
 
 
 def format_suites(results, header=True, total=False):
@@ -161,7 +161,7 @@ def format_suites(results, header=True, total=False):
         if r["error"]:
             lines.append(f"{r['suite']:24} not run: {r['error'][:300]}")
             continue
-        lines.append(f"{r['suite']:24} " + " ".join(f"{r['counts'][k]:>9}" for k in _COLS)
+        lines.append(f"{r['suite']:24} " + " ".join(f"{r['counts'].get(k, 0):>9}" for k in _COLS)
                      + f"  {r['seconds']:7.0f}")
     if total:
         t = _totals(results)
@@ -178,9 +178,10 @@ def format_suite_failures(results):
     for r in results:
         for t, x in _failures(r):
             lines.append(f"[{r['suite']}] {x['kind']}: {t}: {x['message'][:240]}")
-        both = [t.partition(".")[2] for t, _ in _failures(r, ("failed_both",))]
-        if both:
-            lines.append(f"[{r['suite']}] failed on both ({len(both)}): {', '.join(both)}")
+        for kind in ("excluded", "failed_both"):
+            names = [t.partition(".")[2] for t, _ in _failures(r, (kind,))]
+            if names:
+                lines.append(f"[{r['suite']}] {kind} ({len(names)}): {', '.join(names)}")
     return "\n".join(lines)
 
 
@@ -207,7 +208,7 @@ def write_suites_doc(path, results, command, seconds):
         if r["error"]:
             out.append(f"| {r['suite']} | not run: {r['error'][:200]} |" + " |" * (len(_HEAD) + 1))
             continue
-        out.append(f"| {r['suite']} | `{r['file']}` | " + " | ".join(str(r["counts"][k]) for k in _COLS)
+        out.append(f"| {r['suite']} | `{r['file']}` | " + " | ".join(str(r["counts"].get(k, 0)) for k in _COLS)
                    + f" | {r['seconds']:.0f} |")
     out.append("| total | | " + " | ".join(str(t[k]) for k in _COLS) + " | |")
     rows = [(r["suite"], tid, x) for r in results for tid, x in _failures(r)]
