@@ -177,6 +177,16 @@ CASES = {
     # igamma/igammac's edge values: PyTorch's cases, in its order (infinite a and x: NaN).
     "igamma_edges": lambda d: torch.igamma(*_igamma_grid(d)),
     "igammac_edges": lambda d: torch.igammac(*_igamma_grid(d)),
+    # index_put_ with one mask and a one-element CPU value runs as masked_fill_ (ATen's
+    # canDispatchToMaskedFill), which refuses a uint8 mask instead of warning.
+    "index_put_uint8_mask_cpu_value": lambda d: torch.zeros(3, device=d).index_put_(
+        (torch.tensor([1, 0, 1], dtype=torch.uint8, device=d),), torch.tensor(1.0)),
+    "index_put_bool_mask_cpu_value": lambda d: torch.zeros(3, 2, device=d).index_put(
+        (torch.tensor([True, False, True], device=d),), torch.tensor(2.0)),
+    "index_put_uint8_mask_device_value": lambda d: torch.zeros(3, device=d).index_put_(
+        (torch.tensor([1, 0, 1], dtype=torch.uint8, device=d),), torch.ones(2, device=d)),
+    "masked_scatter_uint8_mask": lambda d: torch.zeros(3, device=d).masked_scatter_(
+        torch.tensor([1, 0, 1], dtype=torch.uint8, device=d), torch.ones(3, device=d)),
     # Warnings.
     "_aminmax_deprecated_warn_always": _warn_always(lambda d: torch._aminmax(torch.arange(4.0, device=d))),
     # Ops PyTorch's fast paths call.

@@ -1,6 +1,7 @@
 """Gather/scatter-style indexing.  JAX clamps or drops out-of-range indices; PyTorch raises,
 so every index is bounds-checked (the op synchronises on the check before committing)."""
 import functools
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -8,13 +9,8 @@ import torch
 from torch._prims_common import canonicalize_dim
 
 from .._core.registry import check, lowering
-from .._core.dtypes import check_scalar_fits
+from .._core.dtypes import check_scalar_fits, to_torch_dtype
 from .meta import dtype_name
-
-
-def _torch_dtype_name(dtype):
-    from .._core.dtypes import to_torch_dtype
-    return str(to_torch_dtype(dtype)).replace("torch.", "")
 
 
 def check_index(idx, size, message="index out of range", exc_type=IndexError, negative=True):
@@ -333,8 +329,11 @@ def index_copy(x, dim, index, source):
 @lowering("aten::masked_scatter.default", eager=True)
 def masked_scatter(x, mask, source):
     if mask.dtype != jnp.bool_:
+        if mask.dtype == jnp.uint8:  # the CPU kernel warns, then refuses
+            warnings.warn("masked_scatter_ received a mask with dtype torch.uint8, this behavior "
+                          "is now deprecated,please use a mask with dtype torch.bool instead.")
         raise RuntimeError(f"masked_scatter_ only supports boolean masks, but got mask with "
-                           f"dtype {_torch_dtype_name(mask.dtype)}")
+                           f"dtype {dtype_name(to_torch_dtype(mask.dtype))}")
     shape = jnp.broadcast_shapes(x.shape, mask.shape)
     x, mask = jnp.broadcast_to(x, shape), jnp.broadcast_to(mask, shape)
     n = int(jnp.sum(mask))
