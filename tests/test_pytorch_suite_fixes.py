@@ -153,6 +153,16 @@ CASES = {
     "eye_out_bool": _eye_out(2, 3, out=_out((0,), torch.bool)),
     "eye_out_negative": _eye_out(-1, out=_out((0,))),
     "arange_out_resized": lambda d: torch.arange(5, out=torch.empty(3, device=d)),
+    "linspace_out_resized": lambda d: torch.linspace(0, 10, 5, out=torch.empty(3, device=d)),
+    "logspace_out_int": lambda d: torch.logspace(0, 2, 5, 2, out=torch.empty(0, dtype=torch.int64, device=d)),
+    # random_(): [0, 2**digits] for floating types, [0, max] for integers; from/to - 1 checked
+    # against the dtype's range.
+    "random_default_ranges": lambda d: [bool(t.min() >= 0) and bool(t.max() <= hi) and t.dtype
+                                        for t, hi in [(torch.empty(1000, dtype=dt, device=d).random_(), hi)
+                                                      for dt, hi in [(torch.float16, 2048), (torch.bfloat16, 256),
+                                                                     (torch.uint8, 255), (torch.bool, 1)]]],
+    "random_to_out_of_bounds": lambda d: torch.empty(3, dtype=torch.uint8, device=d).random_(0, 257),
+    "random_from_out_of_bounds": lambda d: torch.empty(3, dtype=torch.uint8, device=d).random_(-1, 3),
     # add/sub's alpha: ATen's checks of it against the computation's dtype.
     "add_int_float_alpha": lambda d: torch.add(torch.ones(3, dtype=torch.int32, device=d), 1, alpha=1.1),
     "add__int_float_alpha": lambda d: torch.ones(3, dtype=torch.int64, device=d).add_(

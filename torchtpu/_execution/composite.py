@@ -115,16 +115,19 @@ def _arange_out(start, end, step=1, *, out):
     return out.copy_(kernel(start, end, step, out=out.new_empty(n)).view(out.shape))
 
 
-# --- eye(out=), nonzero(out=) ----------------------------------------------------------------
+# --- eye, linspace, logspace and nonzero (out=) ------------------------------------------
 
-def _eye_out(n, m=None, *, out):
-    # The CPU kernel resizes out without resize_output's warning; the meta kernel warns.
-    shape = (n, n if m is None else m)
-    if out.shape != shape and n >= 0 and shape[1] >= 0:
-        out.resize_(0)
-    if m is None:
-        return kernel_for(aten.eye.out)(n, out=out)
-    return kernel_for(aten.eye.m_out)(n, m, out=out)
+def _resizing_silently(overload, shape):
+    """The out= kernel of a factory whose CPU kernel resizes `out` to `shape(*args)` without
+    resize_output's warning (eye, linspace, logspace); the meta kernel would warn."""
+    kernel = kernel_for(overload)
+
+    def run(*args, out):
+        want = shape(*args)
+        if tuple(out.shape) != want and min(want) >= 0:
+            out.resize_(0)
+        return kernel(*args, out=out)
+    return run
 
 
 def _nonzero_out(x, *, out):
@@ -297,8 +300,11 @@ def kernels():
             aten._linalg_slogdet.default: _transposed_like_pytorch(aten._linalg_slogdet.default),
             aten.rrelu_with_noise.default: _rrelu_with_noise,
             aten.arange.start_out: _arange_out,
-            aten.eye.out: _eye_out,
-            aten.eye.m_out: _eye_out,
+            aten.eye.out: _resizing_silently(aten.eye.out, lambda n: (n, n)),
+            aten.eye.m_out: _resizing_silently(aten.eye.m_out, lambda n, m: (n, m)),
+            aten.linspace.out: _resizing_silently(aten.linspace.out, lambda a, b, steps: (steps,)),
+            aten.logspace.out: _resizing_silently(aten.logspace.out,
+                                                  lambda a, b, steps, base=10.0: (steps,)),
             aten.nonzero.out: _nonzero_out,
             aten._transformer_encoder_layer_fwd.default: _transformer_encoder_layer_fwd,
             aten.zero_.default: _zero_,

@@ -8,7 +8,7 @@ import torch
 
 from .._core.dtypes import check_scalar_fits, to_jax_dtype
 from .._core.registry import check, lowering
-from .meta import dtype_name
+from .meta import _c10_name, dtype_name
 
 
 def _check_arange(start, end, step=1, dtype=None, *rest):
@@ -41,7 +41,7 @@ def scalar_tensor(s, dtype=None, layout=None, device=None, pin_memory=None):
     return jnp.asarray(s)
 
 
-@lowering("aten::linspace.default", static=("start", "end"))
+@lowering("aten::linspace.default", "aten::linspace.out", static=("start", "end"))
 def linspace(start, end, steps, dtype=None, layout=None, device=None, pin_memory=None):
     out = to_jax_dtype(dtype or torch.get_default_dtype())
     if steps < 2 or jnp.issubdtype(out, jnp.complexfloating):
@@ -92,6 +92,15 @@ def normal_(key, x, mean=0.0, std=1.0, generator=None):
 def _check_random_range(x, low, high=None, generator=None):
     if high is not None and low >= high:
         raise RuntimeError(f"random_ expects 'from' to be less than 'to', but got from={low} >= to={high}")
+    # ATen's check_from_to_in_range: from and to - 1 must be values of x's dtype.
+    if x.dtype.is_floating_point:
+        info = torch.finfo(x.dtype)
+    else:
+        info = torch.iinfo(x.dtype) if x.dtype != torch.bool else None
+    lo, hi = (0, 1) if info is None else (info.min, info.max)
+    for value, name in ((low, "from"), (None if high is None else high - 1, "to - 1")):
+        if value is not None and not lo <= value <= hi:
+            raise RuntimeError(f"{name} is out of bounds for {_c10_name(x.dtype)}")
 
 
 def _check_random_to(x, high, generator=None):
@@ -104,6 +113,23 @@ def random_from(key, x, low, high=None, generator=None):
         high = 2 ** 63 - 1 if x.dtype == jnp.int64 else int(jnp.iinfo(x.dtype).max) + 1 \
             if jnp.issubdtype(x.dtype, jnp.integer) else 2 ** 24 + 1
     return jax.random.randint(key, x.shape, low, high, jnp.int64).astype(x.dtype)
+
+
+def _random_default_high(dtype):
+    """One past the largest value random_() draws: [0, 2**mantissa digits] for floating types
+    (every integer there is exact), [0, max] for integer types, [0, 2**63 - 1) for int64."""
+    if dtype == jnp.bool_:
+        return 2
+    if dtype == jnp.int64:
+        return 2 ** 63 - 1
+    if jnp.issubdtype(dtype, jnp.integer):
+        return int(jnp.iinfo(dtype).max) + 1
+    return 2 ** (jnp.finfo(dtype).nmant + 1) + 1
+
+
+@lowering("aten::random_.default", random=True, fill=True)
+def random_default(key, x, generator=None):
+    return jax.random.randint(key, x.shape, 0, _random_default_high(x.dtype), jnp.int64).astype(x.dtype)
 
 
 @lowering("aten::random_.to", random=True, fill=True, validate=_check_random_to)
@@ -222,7 +248,7 @@ def geometric_(key, x, p, generator=None):
     return jnp.maximum(jnp.ceil(jnp.log(u) / jnp.log1p(-p)), 1).astype(x.dtype)
 
 
-@lowering("aten::logspace.default", static=("start", "end", "base"))
+@lowering("aten::logspace.default", "aten::logspace.out", static=("start", "end", "base"))
 def logspace(start, end, steps, base=10.0, dtype=None, layout=None, device=None,
              pin_memory=None):
     # Like PyTorch: the exponents are evenly spaced, then base ** exponent (in float64 here
