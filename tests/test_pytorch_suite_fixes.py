@@ -155,6 +155,17 @@ CASES = {
     "arange_out_resized": lambda d: torch.arange(5, out=torch.empty(3, device=d)),
     "linspace_out_resized": lambda d: torch.linspace(0, 10, 5, out=torch.empty(3, device=d)),
     "logspace_out_int": lambda d: torch.logspace(0, 2, 5, 2, out=torch.empty(0, dtype=torch.int64, device=d)),
+    "linspace_out_overlap": lambda d: torch.linspace(0, 1, 10, out=torch.empty(1, device=d).expand(10)),
+    "arange_nan_end": lambda d: torch.arange(-5, float("nan"), device=d),
+    "arange_inf_end": lambda d: torch.arange(0.5, float("inf"), device=d),
+    "range_step": lambda d: torch.range(1, 0.1, -0.3, device=d),
+    "range_out_resized": lambda d: torch.range(0, 3, out=torch.empty(2, dtype=torch.int64, device=d)),
+    "range_step_sign": lambda d: torch.range(0, 3, -1, device=d),
+    "complex_out_dtype": lambda d: torch.complex(torch.ones(2, dtype=torch.float64, device=d),
+                                                 torch.ones(2, dtype=torch.float64, device=d),
+                                                 out=torch.zeros(2, dtype=torch.float64, device=d)),
+    "polar_out_dtype": lambda d: torch.polar(torch.ones(2, device=d), torch.ones(2, device=d),
+                                             out=torch.zeros(2, dtype=torch.complex128, device=d)),
     # random_(): [0, 2**digits] for floating types, [0, max] for integers; from/to - 1 checked
     # against the dtype's range.
     "random_default_ranges": lambda d: [bool(t.min() >= 0) and bool(t.max() <= hi) and t.dtype

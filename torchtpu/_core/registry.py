@@ -82,7 +82,8 @@ class Lowering:
     validate: Callable = None
     # The out= variant takes only an out of the result's own dtype (the CPU kernel refuses to
     # cast, e.g. neg, round); other out= variants take any dtype the result can be cast to.
-    exact_out: bool = False
+    # A string: the CPU's message, formatted with {expected} and {got} (dtype names).
+    exact_out: bool | str = False
     # The out= variant takes a bool or uint8 out whatever the result's dtype and refuses any
     # other (all, any: "all only supports bool tensor for result").
     bool_out: bool = False

@@ -1,6 +1,7 @@
 """Dispatcher kernels composed of table kernels and tpu ops, for ops whose PyTorch contract the
 lowering table's pure functions cannot express: in-place running statistics, PyTorch's choice
 of factoring a transpose, an output filled in place *and* returned."""
+import math
 import warnings
 
 import torch
@@ -128,6 +129,23 @@ def _resizing_silently(overload, shape):
             out.resize_(0)
         return kernel(*args, out=out)
     return run
+
+
+def _range_out(start, end, step=1, *, out):
+    # torch.range (deprecated, end inclusive): ATen's range_out, its checks in its order, out
+    # resized without a warning, values start + i * step computed in double.
+    if not step:
+        raise RuntimeError("step must be nonzero")
+    if not (math.isfinite(start) and math.isfinite(end)):
+        raise RuntimeError(f"unsupported range: {start:g} -> {end:g}")
+    if not ((step > 0 and end >= start) or (step < 0 and end <= start)):
+        raise RuntimeError("upper bound and lower bound inconsistent with step sign")
+    n = int((end - start) / step + 1)
+    if out.numel() != n:
+        out.resize_(0)
+        out.resize_(n)
+    values = torch.arange(n, dtype=torch.float64, device=out.device) * step + start
+    return out.copy_(values)
 
 
 def _nonzero_out(x, *, out):
@@ -306,6 +324,7 @@ def kernels():
             aten.logspace.out: _resizing_silently(aten.logspace.out,
                                                   lambda a, b, steps, base=10.0: (steps,)),
             aten.nonzero.out: _nonzero_out,
+            aten.range.out: _range_out,
             aten._transformer_encoder_layer_fwd.default: _transformer_encoder_layer_fwd,
             aten.zero_.default: _zero_,
             aten.huber_loss.default: _huber_loss,

@@ -673,7 +673,9 @@ class OpKernel:
                                        f"bool tensor for result, got: {dtype_name(out.dtype)}")
                 continue
             if self.low.exact_out and out.dtype != dtype:
-                raise RuntimeError(f"Found dtype {dtype_name(out.dtype)} but expected {dtype_name(dtype)}")
+                message = self.low.exact_out if isinstance(self.low.exact_out, str) else \
+                    "Found dtype {got} but expected {expected}"
+                raise RuntimeError(message.format(expected=dtype_name(dtype), got=dtype_name(out.dtype)))
             if not torch.can_cast(dtype, out.dtype):
                 raise self.low.out_cast_error(
                     f"result type {dtype_name(dtype)} can't be cast to the desired output type "

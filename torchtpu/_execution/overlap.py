@@ -20,7 +20,8 @@ _NO_OVERLAP = {"aten::cat", "aten::index_select", "aten::take", "aten::masked_se
                "aten::gather", "aten::index_put_", "aten::_index_put_impl_"}
 # Ops that only refuse an output mapping several elements to one address.
 _OUTPUT_ONLY = {"aten::bernoulli", "aten::bernoulli_", "aten::uniform_", "aten::normal_", "aten::random_",
-                "aten::exponential_", "aten::geometric_", "aten::cauchy_", "aten::log_normal_"}
+                "aten::exponential_", "aten::geometric_", "aten::cauchy_", "aten::log_normal_",
+                "aten::linspace", "aten::logspace", "aten::range", "aten::arange"}
 
 # Elementwise ops without the pointwise tag on their functional overload (ATen's kernels are
 # TensorIterator loops all the same, so they refuse overlapping writes like the tagged ones).

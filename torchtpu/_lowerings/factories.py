@@ -12,6 +12,8 @@ from .meta import _c10_name, dtype_name
 
 
 def _check_arange(start, end, step=1, dtype=None, *rest):
+    if not all(math.isfinite(v) for v in (start, end)):
+        raise RuntimeError(f"unsupported range: {start:g} -> {end:g}")
     if dtype is not None and (dtype.is_complex or dtype == torch.bool):
         raise NotImplementedError(f'"arange_cpu" not implemented for \'{dtype_name(dtype)}\'')
 

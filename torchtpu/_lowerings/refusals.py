@@ -123,6 +123,9 @@ for _name in ("amax.default", "amin.default", "heaviside.default", "neg.default"
               "nan_to_num.default"):
     if (_low := _lowering("aten::" + _name)) is not None:
         _low.exact_out = True
+for _name in ("complex.default", "polar.default"):  # no cast: complex's kernel says so
+    if (_low := _lowering("aten::" + _name)) is not None:
+        _low.exact_out = "Expected object of scalar type {expected} but got scalar type {got} for argument 'out'"
 for _name in ("all.default", "all.dim", "all.dims", "any.default", "any.dim", "any.dims"):
     if (_low := _lowering("aten::" + _name)) is not None:
         _low.bool_out = True
