@@ -166,6 +166,9 @@ CASES = {
                                                  out=torch.zeros(2, dtype=torch.float64, device=d)),
     "polar_out_dtype": lambda d: torch.polar(torch.ones(2, device=d), torch.ones(2, device=d),
                                              out=torch.zeros(2, dtype=torch.complex128, device=d)),
+    "empty_strided_rank_mismatch": lambda d: torch.tensor(1.0, device=d).new_empty_strided((2,), ()),
+    "roll_dims_mismatch": lambda d: torch.ones(2, 4, device=d).roll(shifts=(1,), dims=(1, 2)),
+    "roll_no_shifts": lambda d: torch.ones(2, 4, device=d).roll(shifts=(), dims=1),
     # random_(): [0, 2**digits] for floating types, [0, max] for integers; from/to - 1 checked
     # against the dtype's range.
     "random_default_ranges": lambda d: [bool(t.min() >= 0) and bool(t.max() <= hi) and t.dtype
