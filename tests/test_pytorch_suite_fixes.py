@@ -176,6 +176,8 @@ CASES = {
                                                       for dt, hi in [(torch.float16, 2048), (torch.bfloat16, 256),
                                                                      (torch.uint8, 255), (torch.bool, 1)]]],
     "random_to_out_of_bounds": lambda d: torch.empty(3, dtype=torch.uint8, device=d).random_(0, 257),
+    "random_bool_out_of_bounds": lambda d: torch.empty(3, dtype=torch.bool, device=d).random_(0, 3),
+    "random_bfloat16_precision_warning": lambda d: torch.empty(3, dtype=torch.bfloat16, device=d).random_(0, 2 ** 20).shape,
     "random_from_out_of_bounds": lambda d: torch.empty(3, dtype=torch.uint8, device=d).random_(-1, 3),
     # add/sub's alpha: ATen's checks of it against the computation's dtype.
     "add_int_float_alpha": lambda d: torch.add(torch.ones(3, dtype=torch.int32, device=d), 1, alpha=1.1),

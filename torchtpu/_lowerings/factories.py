@@ -1,5 +1,6 @@
 """Tensor factories and random ops (random ops draw from the per-device generator)."""
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -100,9 +101,19 @@ def _check_random_range(x, low, high=None, generator=None):
     else:
         info = torch.iinfo(x.dtype) if x.dtype != torch.bool else None
     lo, hi = (0, 1) if info is None else (info.min, info.max)
-    for value, name in ((low, "from"), (None if high is None else high - 1, "to - 1")):
-        if value is not None and not lo <= value <= hi:
+    checked = [(v, name) for v, name in ((low, "from"), (None if high is None else high - 1, "to - 1"))
+               if v is not None]
+    for value, name in checked:
+        if not lo <= value <= hi:
             raise RuntimeError(f"{name} is out of bounds for {_c10_name(x.dtype)}")
+    if x.dtype.is_floating_point:  # beyond 2**digits, not every integer is a value of the dtype
+        digits = 1 - int(math.log2(torch.finfo(x.dtype).eps))
+        for value, name in checked:
+            if not -(2 ** digits) <= value <= 2 ** digits:
+                warnings.warn(f"{name} is out of bounds [-(2^{digits}), 2^{digits}]. Due to precision "
+                              f"limitations {_c10_name(x.dtype)} can support discrete uniform "
+                              "distribution only within this range. This warning will become an "
+                              "error in version 1.7 release, please fix the code in advance")
 
 
 def _check_random_to(x, high, generator=None):
