@@ -215,6 +215,11 @@ CASES = {
         torch.tensor([1, 0, 1], dtype=torch.uint8, device=d), torch.ones(3, device=d)),
     # Warnings.
     "_aminmax_deprecated_warn_always": _warn_always(lambda d: torch._aminmax(torch.arange(4.0, device=d))),
+    "searchsorted_non_contiguous": _warn_always(lambda d: torch.searchsorted(
+        torch.tensor([[1, 3, 5, 7, 9], [2, 4, 6, 8, 10]], device=d).t().contiguous().t(),
+        torch.tensor([[3, 6], [9, 1], [2, 5]], device=d).t())),
+    "bucketize_non_contiguous": _warn_always(lambda d: torch.bucketize(
+        torch.tensor([[3, 6], [9, 1]], device=d).t(), torch.tensor([1, 3, 5, 7], device=d))),
     # Ops PyTorch's fast paths call.
     "transformer_encoder_layer": _encoder_layer(False, "relu", False),
     "transformer_encoder_layer_norm_first_gelu_masked": _encoder_layer(True, "gelu", True),

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch._prims_common import canonicalize_dim
 
-from .._core.registry import check, lowering
+from .._core.registry import _user_stacklevel, check, lowering
 from .._core.dtypes import check_scalar_fits, to_torch_dtype
 from .meta import dtype_name
 
@@ -398,6 +398,31 @@ def index_reduce(x, dim, index, source, reduce, include_self=True):
                        f"amin but got {reduce}.")
 
 
+_COPY_WARNED = set()
+
+
+def _warn_copy(what, t):
+    # ATen copies a non-contiguous operand of searchsorted/bucketize and says so, once per
+    # program and operand (TORCH_WARN_ONCE: every time under torch.set_warn_always(True)).
+    if isinstance(t, torch.Tensor) and not t.is_contiguous() and (
+            what not in _COPY_WARNED or torch.is_warn_always_enabled()):
+        _COPY_WARNED.add(what)
+        warnings.warn(f"torch.searchsorted(): {what} tensor is non-contiguous, this will lower the "
+                      "performance due to extra data copy when converting non-contiguous tensor to "
+                      f"contiguous, please use contiguous {what} tensor if possible. This message "
+                      "will only appear once per program.", stacklevel=_user_stacklevel())
+
+
+def _check_searchsorted(seq, values, out_int32=False, right=False, side=None, sorter=None):
+    _warn_copy("input value", values)
+    _warn_copy("boundary", seq)
+    _warn_copy("sorter", sorter)
+
+
+def _check_bucketize(x, boundaries, *rest):
+    _check_searchsorted(boundaries, x)
+
+
 def _searchsorted(seq, values, right, side, sorter):
     side = side or ("right" if right else "left")
     if sorter is not None:
@@ -413,12 +438,12 @@ def _searchsorted(seq, values, right, side, sorter):
     return find(seq, values.reshape(lead + (-1,))).reshape(values.shape)
 
 
-@lowering("aten::searchsorted.Tensor")
+@lowering("aten::searchsorted.Tensor", validate=_check_searchsorted)
 def searchsorted(seq, values, out_int32=False, right=False, side=None, sorter=None):
     return _searchsorted(seq, values, right, side, sorter)
 
 
-@lowering("aten::searchsorted.Scalar")
+@lowering("aten::searchsorted.Scalar", validate=_check_searchsorted)
 def searchsorted_scalar(seq, value, out_int32=False, right=False, side=None, sorter=None):
     return _searchsorted(seq, jnp.asarray(value, seq.dtype), right, side, sorter)
 
@@ -462,7 +487,7 @@ def take(x, index):
     return x.reshape(-1)[_wrap(index, x.size)]
 
 
-@lowering("aten::bucketize.Tensor")
+@lowering("aten::bucketize.Tensor", validate=_check_bucketize)
 def bucketize(x, boundaries, out_int32=False, right=False):
     if boundaries.ndim != 1:
         raise RuntimeError(f"boundaries tensor must be 1 dimension, but got dim({boundaries.ndim})")
