@@ -155,6 +155,8 @@ CASES = {
     "arange_out_resized": lambda d: torch.arange(5, out=torch.empty(3, device=d)),
     "linspace_out_resized": lambda d: torch.linspace(0, 10, 5, out=torch.empty(3, device=d)),
     "logspace_out_int": lambda d: torch.logspace(0, 2, 5, 2, out=torch.empty(0, dtype=torch.int64, device=d)),
+    "linspace_complex_bounds": lambda d: torch.linspace(1, 2 + 1j, 4, device=d),
+    "logspace_complex_bounds": lambda d: torch.logspace(1j, 2j, 3, device=d),
     "linspace_out_overlap": lambda d: torch.linspace(0, 1, 10, out=torch.empty(1, device=d).expand(10)),
     "arange_nan_end": lambda d: torch.arange(-5, float("nan"), device=d),
     "arange_inf_end": lambda d: torch.arange(0.5, float("inf"), device=d),

@@ -47,7 +47,7 @@ def scalar_tensor(s, dtype=None, layout=None, device=None, pin_memory=None):
 @lowering("aten::linspace.default", "aten::linspace.out", static=("start", "end"))
 def linspace(start, end, steps, dtype=None, layout=None, device=None, pin_memory=None):
     out = to_jax_dtype(dtype or torch.get_default_dtype())
-    if steps < 2 or jnp.issubdtype(out, jnp.complexfloating):
+    if steps < 2 or jnp.issubdtype(out, jnp.complexfloating) or complex in (type(start), type(end)):
         return jnp.linspace(start, end, steps)
     # PyTorch's CPU kernel's formula, evaluated on the host in the output's arithmetic (double
     # for integers, whose results truncate): the first half counts up from start, the second
@@ -266,7 +266,9 @@ def logspace(start, end, steps, base=10.0, dtype=None, layout=None, device=None,
              pin_memory=None):
     # Like PyTorch: the exponents are evenly spaced, then base ** exponent (in float64 here
     # so that integer outputs truncate the exact powers).
-    exponents = jnp.linspace(start, end, steps, dtype=jnp.float64)
+    complex_out = complex in (type(start), type(end)) or (
+        dtype is not None and dtype.is_complex)
+    exponents = jnp.linspace(start, end, steps, dtype=jnp.complex128 if complex_out else jnp.float64)
     return jnp.power(jnp.float64(base), exponents)
 
 
