@@ -44,6 +44,7 @@ FAKE_SUITE = textwrap.dedent('''
 def test_names():
     assert ps.cpu_twin("TestFooPRIVATEUSE1.test_x_tpu_float32") == "TestFooCPU.test_x_cpu_float32"
     assert ps.cpu_twin("TestFooPRIVATEUSE1.test_tpu_thing_tpu") == "TestFooCPU.test_tpu_thing_cpu"
+    assert ps.cpu_twin("TestFooTPU.test_x_tpu") == "TestFooCPU.test_x_cpu"
     assert ps.keep_test("test_x_tpu", True) and ps.keep_test("test_x_tpu_float32", True)
     assert ps.keep_test("test_x_tpu_float32_int64", True)
     assert not ps.keep_test("test_x_tpu_int64", True) and ps.keep_test("test_x_tpu_int64", False)

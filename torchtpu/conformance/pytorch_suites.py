@@ -75,6 +75,7 @@ def excluded(message):
     """The exclusion a failure's message falls under, or None."""
     return next((k for k, pattern in EXCLUSIONS.items() if pattern.search(message or "")), None)
 DEVICE = "tpu"  # torch._C._get_privateuse1_backend_name() once torchtpu is imported
+_SUFFIXES = ("PRIVATEUSE1", DEVICE.upper())
 _WORKER_BATCH = 400  # tests per worker process: bounds the memory of cached executables
 _STARTUP_S = 600     # importing torch, torchtpu and a large test file, before the first test
 
@@ -107,9 +108,9 @@ def keep_test(name, float32_only):
 
 
 def cpu_twin(test_id):
-    """`TestFooPRIVATEUSE1.test_x_tpu_float32` -> `TestFooCPU.test_x_cpu_float32`."""
+    """`TestFooPRIVATEUSE1.test_x_tpu_float32` (or `TestFooTPU...`) -> `TestFooCPU.test_x_cpu_float32`."""
     cls, _, name = test_id.partition(".")
-    cls = cls[:-len("PRIVATEUSE1")] + "CPU" if cls.endswith("PRIVATEUSE1") else cls
+    cls = (_generic_name(cls) or cls[:-3]) + "CPU"
     i = name.rfind(f"_{DEVICE}")
     while i >= 0 and not (i + len(DEVICE) + 1 == len(name) or name[i + len(DEVICE) + 1] == "_"):
         i = name.rfind(f"_{DEVICE}", 0, i)
@@ -354,15 +355,25 @@ def _opinfo_test(cls, name):
 
 
 def _generated_classes(module, classes):
-    """The PRIVATEUSE1 classes generated from `classes` (all generated ones when empty)."""
+    """The tpu classes generated from `classes` (all generated ones when empty)."""
     out = []
     for name in sorted(vars(module)):
-        if not name.endswith("PRIVATEUSE1"):
+        base = _generic_name(name)
+        if base is None or not isinstance(vars(module)[name], type):
             continue
-        if classes and name[:-len("PRIVATEUSE1")] not in classes:
+        if classes and base not in classes:
             continue
         out.append(name)
     return out
+
+
+def _generic_name(name):
+    """`TestFoo` for a generated tpu class: `TestFooPRIVATEUSE1`, or `TestFooTPU` once an earlier
+    class's setup has renamed PrivateUse1TestBase.device_type to the backend's name."""
+    for suffix in _SUFFIXES:
+        if name.endswith(suffix) and len(name) > len(suffix):
+            return name[:-len(suffix)]
+    return None
 
 
 def _exc_text(err, limit=500):
