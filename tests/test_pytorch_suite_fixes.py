@@ -225,6 +225,15 @@ CASES = {
     # Ops PyTorch's fast paths call.
     "transformer_encoder_layer": _encoder_layer(False, "relu", False),
     "transformer_encoder_layer_norm_first_gelu_masked": _encoder_layer(True, "gelu", True),
+    # Reductions: an out of another dtype, a repeated dim, an empty reduced dim.
+    "max_dim_out_dtype": lambda d: torch.max(torch.ones(3, 4, device=d), 1, out=(
+        torch.empty(0, dtype=torch.int32, device=d), torch.empty(0, dtype=torch.int64, device=d))),
+    "amax_out_dtype": lambda d: torch.amax(torch.ones(3, 4, device=d), 1,
+                                           out=torch.empty(0, dtype=torch.int32, device=d)),
+    "mode_indices_out_dtype": lambda d: torch.mode(torch.ones(3, 4, device=d), 1, out=(
+        torch.empty(0, device=d), torch.empty(0, dtype=torch.int32, device=d))),
+    "mean_repeated_dim": lambda d: torch.ones(3, 4, device=d).mean((0, -2)),
+    "kthvalue_empty_dim": lambda d: torch.kthvalue(torch.ones(2, 0, device=d), 1, 1),
     # all/any store into a bool or uint8 out only.
     "all_out_float": lambda d: torch.all(torch.ones(3, device=d), out=torch.empty(0, device=d)),
     "any_dim_out_int": lambda d: torch.any(torch.ones(3, 2, device=d), 1,

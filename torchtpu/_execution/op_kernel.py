@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten
 from .._core import runtime, storage
 from .._core.dtypes import cast, to_jax_dtype, to_torch_dtype
 from .._core import registry
-from .._lowerings.meta import dtype_name
+from .._lowerings.meta import _c10_name, dtype_name
 from . import async_compile, bounded, debug, executables, fused, modes, overlap, strided, sync
 from .._core import metrics
 from .._core.metrics import FlushReason
@@ -665,7 +665,8 @@ class OpKernel:
             return
         outs = [t for a, v in zip(self.args, vals) if a.is_out and v is not None
                 for t in (v if isinstance(v, (list, tuple)) else [v])]
-        for out, dtype in zip(outs, results):
+        out_names = [a.name for a, v in zip(self.args, vals) if a.is_out and v is not None]
+        for out, dtype, name in zip(outs, results, out_names + [""] * len(outs)):
             dtype = to_torch_dtype(dtype)
             if self.low.bool_out:
                 if out.dtype not in (torch.bool, torch.uint8):
@@ -675,7 +676,9 @@ class OpKernel:
             if self.low.exact_out and out.dtype != dtype:
                 message = self.low.exact_out if isinstance(self.low.exact_out, str) else \
                     "Found dtype {got} but expected {expected}"
-                raise RuntimeError(message.format(expected=dtype_name(dtype), got=dtype_name(out.dtype)))
+                raise RuntimeError(message.format(
+                    expected=dtype_name(dtype), got=dtype_name(out.dtype), name=name,
+                    expected_c=_c10_name(dtype), got_c=_c10_name(out.dtype)))
             if not torch.can_cast(dtype, out.dtype):
                 raise self.low.out_cast_error(
                     f"result type {dtype_name(dtype)} can't be cast to the desired output type "

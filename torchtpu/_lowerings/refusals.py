@@ -126,6 +126,42 @@ for _name in ("amax.default", "amin.default", "heaviside.default", "neg.default"
 for _name in ("complex.default", "polar.default"):  # no cast: complex's kernel says so
     if (_low := _lowering("aten::" + _name)) is not None:
         _low.exact_out = "Expected object of scalar type {expected} but got scalar type {got} for argument 'out'"
+for _name, _message in {
+        # The CPU's kernels write no other dtype than the result's; their words for it.
+        "max.dim": "Expected out tensor to have dtype {expected_c}, but got {got_c} instead",
+        "min.dim": "Expected out tensor to have dtype {expected_c}, but got {got_c} instead",
+        "amax.default": "Expected the dtype for input and out to match, but got {expected} for "
+                        "input's dtype and {got} for out's dtype.",
+        "amin.default": "Expected the dtype for input and out to match, but got {expected} for "
+                        "input's dtype and {got} for out's dtype.",
+        "mode.default": "expected scalar type '{expected}' but got '{got}' for {name} output"}.items():
+    if (_low := _lowering("aten::" + _name)) is not None:
+        _low.exact_out = _message
+
+
+def _check_repeated_dims(x, dim=None, *rest):
+    # ATen's make_dim_mask, after wrapping (PyTorch's Python reference words it differently).
+    if isinstance(dim, (list, tuple)) and isinstance(x, torch.Tensor):
+        seen = set()
+        for d in dim:
+            w = d % max(x.dim(), 1) if -max(x.dim(), 1) <= d < max(x.dim(), 1) else d
+            if w in seen:
+                raise RuntimeError(f"dim {w} appears multiple times in the list of dims")
+            seen.add(w)
+
+
+for _name in ("sum.dim_IntList", "mean.dim", "amax.default", "amin.default", "nansum.default",
+              "var.correction", "std.correction", "var_mean.correction", "std_mean.correction",
+              "logsumexp.default", "any.dims", "all.dims"):
+    _also("aten::" + _name, _check_repeated_dims)
+
+
+def _check_kthvalue(x, k, dim=-1, keepdim=False):
+    if x.dim() > 0 and -x.dim() <= dim < x.dim() and x.shape[dim] == 0:
+        raise IndexError(f"kthvalue(): Expected reduction dim {dim % x.dim()} to have non-zero size.")
+
+
+_also("aten::kthvalue.default", _check_kthvalue)
 for _name in ("all.default", "all.dim", "all.dims", "any.default", "any.dim", "any.dims"):
     if (_low := _lowering("aten::" + _name)) is not None:
         _low.bool_out = True
