@@ -232,6 +232,11 @@ CASES = {
                                            out=torch.empty(0, dtype=torch.int32, device=d)),
     "mode_indices_out_dtype": lambda d: torch.mode(torch.ones(3, 4, device=d), 1, out=(
         torch.empty(0, device=d), torch.empty(0, dtype=torch.int32, device=d))),
+    "isposinf_out_float": lambda d: torch.isposinf(torch.ones(3, device=d), out=torch.empty(3, device=d)),
+    "frexp_out_mantissa_dtype": lambda d: torch.frexp(torch.ones(3, device=d), out=(
+        torch.empty(3, dtype=torch.float64, device=d), torch.empty(3, dtype=torch.int32, device=d))),
+    "frexp_out_exponent_dtype": lambda d: torch.frexp(torch.ones(3, device=d), out=(
+        torch.empty(3, device=d), torch.empty(3, dtype=torch.int64, device=d))),
     "mean_repeated_dim": lambda d: torch.ones(3, 4, device=d).mean((0, -2)),
     "kthvalue_empty_dim": lambda d: torch.kthvalue(torch.ones(2, 0, device=d), 1, 1),
     # all/any store into a bool or uint8 out only.

@@ -82,8 +82,10 @@ class Lowering:
     validate: Callable = None
     # The out= variant takes only an out of the result's own dtype (the CPU kernel refuses to
     # cast, e.g. neg, round); other out= variants take any dtype the result can be cast to.
-    # A string: the CPU's message, formatted with {expected} and {got} (dtype names).
-    exact_out: bool | str = False
+    # A string: the CPU's message, formatted with {expected} and {got} (dtype names),
+    # {expected_c} and {got_c} (c10's type names) and {name} (the out argument's); a dict: such
+    # a message per out argument.
+    exact_out: bool | str | dict = False
     # The out= variant takes a bool or uint8 out whatever the result's dtype and refuses any
     # other (all, any: "all only supports bool tensor for result").
     bool_out: bool = False

@@ -674,8 +674,11 @@ class OpKernel:
                                        f"bool tensor for result, got: {dtype_name(out.dtype)}")
                 continue
             if self.low.exact_out and out.dtype != dtype:
-                message = self.low.exact_out if isinstance(self.low.exact_out, str) else \
-                    "Found dtype {got} but expected {expected}"
+                message = self.low.exact_out
+                if isinstance(message, dict):  # one message per out argument
+                    message = message[name]
+                if not isinstance(message, str):
+                    message = "Found dtype {got} but expected {expected}"
                 raise RuntimeError(message.format(
                     expected=dtype_name(dtype), got=dtype_name(out.dtype), name=name,
                     expected_c=_c10_name(dtype), got_c=_c10_name(out.dtype)))

@@ -134,7 +134,12 @@ for _name, _message in {
                         "input's dtype and {got} for out's dtype.",
         "amin.default": "Expected the dtype for input and out to match, but got {expected} for "
                         "input's dtype and {got} for out's dtype.",
-        "mode.default": "expected scalar type '{expected}' but got '{got}' for {name} output"}.items():
+        "mode.default": "expected scalar type '{expected}' but got '{got}' for {name} output",
+        "isposinf.default": "isposinf does not support non-boolean outputs.",
+        "isneginf.default": "isneginf does not support non-boolean outputs.",
+        "frexp.Tensor": {
+            "mantissa": "torch.frexp() expects mantissa to have dtype {expected_c} but got {got_c}",
+            "exponent": "torch.frexp() expects exponent to have int dtype but got {got_c}"}}.items():
     if (_low := _lowering("aten::" + _name)) is not None:
         _low.exact_out = _message
 
