@@ -123,6 +123,14 @@ def _warn_always(call):
     return run
 
 
+def _filled_narrow(d, fill, dtype=torch.float32):
+    """An out= of the right number of elements but another shape keeps its shape (2, 2), filled
+    in order, and its base shows it."""
+    x = torch.zeros(2, 3, dtype=dtype, device=d)
+    fill(x.narrow(1, 1, 2))
+    return x
+
+
 def _igamma_grid(d):
     values = [0.0, 1e-3, 1.0, 10.0, float("inf"), -1.0, float("nan")]
     a, x = torch.tensor(values).repeat_interleave(len(values)), torch.tensor(values).repeat(len(values))
@@ -155,6 +163,13 @@ CASES = {
     "arange_out_resized": lambda d: torch.arange(5, out=torch.empty(3, device=d)),
     "linspace_out_resized": lambda d: torch.linspace(0, 10, 5, out=torch.empty(3, device=d)),
     "logspace_out_int": lambda d: torch.logspace(0, 2, 5, 2, out=torch.empty(0, dtype=torch.int64, device=d)),
+    "linspace_out_narrow": lambda d: _filled_narrow(d, lambda o: torch.linspace(0, 3, 4, out=o)),
+    "range_out_narrow": lambda d: _filled_narrow(d, lambda o: torch.range(0, 3, out=o)),
+    "logspace_out_int_narrow": lambda d: _filled_narrow(
+        d, lambda o: torch.logspace(0, 3, 4, 2, out=o), torch.int64),
+    "linspace_out_int_permuted": lambda d: torch.linspace(
+        0, 9000, 9000, out=torch.zeros(3, 3, 1000, dtype=torch.int64, device=d).permute(2, 0, 1)),
+    "linspace_complex_into_float": lambda d: torch.linspace(0, 1j, 5, dtype=torch.float32, device=d),
     "linspace_complex_bounds": lambda d: torch.linspace(1, 2 + 1j, 4, device=d),
     "logspace_complex_bounds": lambda d: torch.logspace(1j, 2j, 3, device=d),
     "linspace_out_overlap": lambda d: torch.linspace(0, 1, 10, out=torch.empty(1, device=d).expand(10)),

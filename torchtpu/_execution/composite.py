@@ -12,6 +12,7 @@ from .._lowerings.meta import dtype_name
 from .._lowerings.batch_norm import _stats_dtype
 from .._lowerings.factories import _check_arange
 from . import fused, growing
+from .overlap import _INTERNAL, _internal_overlap
 from .kernels import kernel_for
 
 aten = torch.ops.aten
@@ -120,7 +121,7 @@ def _arange_out(start, end, step=1, *, out):
 
 def _resizing_silently(overload, shape):
     """The out= kernel of a factory whose CPU kernel resizes `out` to `shape(*args)` without
-    resize_output's warning (eye, linspace, logspace); the meta kernel would warn."""
+    resize_output's warning (eye); the meta kernel would warn."""
     kernel = kernel_for(overload)
 
     def run(*args, out):
@@ -128,6 +129,21 @@ def _resizing_silently(overload, shape):
         if tuple(out.shape) != want and min(want) >= 0:
             out.resize_(0)
         return kernel(*args, out=out)
+    return run
+
+
+def _space_out(functional):
+    """linspace/logspace(out=) as ATen's kernels: computed in out's dtype, out resized without a
+    warning only when its number of elements differs (out keeps its shape otherwise, filled in
+    order), an overlapping out refused."""
+    def run(start, end, steps, *base, out):
+        result = functional(start, end, steps, *base, dtype=out.dtype, device=out.device)
+        if out.numel() != steps:
+            out.resize_(0)
+            out.resize_(steps)
+        elif _internal_overlap(out):
+            raise RuntimeError(_INTERNAL)
+        return out.copy_(result.view(out.shape))
     return run
 
 
@@ -145,7 +161,7 @@ def _range_out(start, end, step=1, *, out):
         out.resize_(0)
         out.resize_(n)
     values = torch.arange(n, dtype=torch.float64, device=out.device) * step + start
-    return out.copy_(values)
+    return out.copy_(values.view(out.shape))
 
 
 def _nonzero_out(x, *, out):
@@ -320,9 +336,8 @@ def kernels():
             aten.arange.start_out: _arange_out,
             aten.eye.out: _resizing_silently(aten.eye.out, lambda n: (n, n)),
             aten.eye.m_out: _resizing_silently(aten.eye.m_out, lambda n, m: (n, m)),
-            aten.linspace.out: _resizing_silently(aten.linspace.out, lambda a, b, steps: (steps,)),
-            aten.logspace.out: _resizing_silently(aten.logspace.out,
-                                                  lambda a, b, steps, base=10.0: (steps,)),
+            aten.linspace.out: _space_out(torch.linspace),
+            aten.logspace.out: _space_out(torch.logspace),
             aten.nonzero.out: _nonzero_out,
             aten.range.out: _range_out,
             aten._transformer_encoder_layer_fwd.default: _transformer_encoder_layer_fwd,

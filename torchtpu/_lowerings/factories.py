@@ -44,7 +44,18 @@ def scalar_tensor(s, dtype=None, layout=None, device=None, pin_memory=None):
     return jnp.asarray(s)
 
 
-@lowering("aten::linspace.default", "aten::linspace.out", static=("start", "end"))
+def _check_space(name):
+    def validate(start, end, steps, *rest):
+        # The CPU's words (PyTorch's reference says "linspace():" for both ops).
+        dtype = next((a for a in rest if isinstance(a, torch.dtype)), None)
+        if dtype is not None and not dtype.is_complex and complex in (type(start), type(end)):
+            raise RuntimeError(f"torch.{name}(): inferred dtype c10::complex<float> can't be safely "
+                               f"cast to passed dtype {dtype_name(dtype)}")
+    return validate
+
+
+@lowering("aten::linspace.default", "aten::linspace.out", static=("start", "end"),
+          validate=_check_space("linspace"))
 def linspace(start, end, steps, dtype=None, layout=None, device=None, pin_memory=None):
     out = to_jax_dtype(dtype or torch.get_default_dtype())
     if steps < 2 or jnp.issubdtype(out, jnp.complexfloating) or complex in (type(start), type(end)):
@@ -261,7 +272,8 @@ def geometric_(key, x, p, generator=None):
     return jnp.maximum(jnp.ceil(jnp.log(u) / jnp.log1p(-p)), 1).astype(x.dtype)
 
 
-@lowering("aten::logspace.default", "aten::logspace.out", static=("start", "end", "base"))
+@lowering("aten::logspace.default", "aten::logspace.out", static=("start", "end", "base"),
+          validate=_check_space("logspace"))
 def logspace(start, end, steps, base=10.0, dtype=None, layout=None, device=None,
              pin_memory=None):
     # Like PyTorch: the exponents are evenly spaced, then base ** exponent (in float64 here
