@@ -170,6 +170,8 @@ CASES = {
     "linspace_out_int_permuted": lambda d: torch.linspace(
         0, 9000, 9000, out=torch.zeros(3, 3, 1000, dtype=torch.int64, device=d).permute(2, 0, 1)),
     "linspace_complex_into_float": lambda d: torch.linspace(0, 1j, 5, dtype=torch.float32, device=d),
+    "linspace_int_float_bounds": lambda d: torch.linspace(1.7, 10.2, 5, dtype=torch.int64, device=d),
+    "logspace_int_float_bounds": lambda d: torch.logspace(0, 1.2, 4, dtype=torch.int64, device=d),
     "linspace_complex_bounds": lambda d: torch.linspace(1, 2 + 1j, 4, device=d),
     "logspace_complex_bounds": lambda d: torch.logspace(1j, 2j, 3, device=d),
     "linspace_out_overlap": lambda d: torch.linspace(0, 1, 10, out=torch.empty(1, device=d).expand(10)),

@@ -66,6 +66,8 @@ def linspace(start, end, steps, dtype=None, layout=None, device=None, pin_memory
     # the kernel's scalar loop; its vectorised loop (long outputs) can differ in the last bit.
     t = np.float64 if jnp.issubdtype(out, jnp.integer) else \
         np.float32 if out in (jnp.float16, jnp.bfloat16) else np.dtype(out).type
+    if jnp.issubdtype(out, jnp.integer):  # the kernel converts the bounds first (truncating)
+        start, end = int(start), int(end)
     lo, hi = t(start), t(end)
     step = (hi - lo) / t(steps - 1)
     idx = np.arange(steps)
@@ -280,6 +282,8 @@ def logspace(start, end, steps, base=10.0, dtype=None, layout=None, device=None,
     # so that integer outputs truncate the exact powers).
     complex_out = complex in (type(start), type(end)) or (
         dtype is not None and dtype.is_complex)
+    if dtype is not None and not dtype.is_floating_point and not dtype.is_complex:
+        start, end = int(start), int(end)  # the kernel converts the bounds first (truncating)
     exponents = jnp.linspace(start, end, steps, dtype=jnp.complex128 if complex_out else jnp.float64)
     return jnp.power(jnp.float64(base), exponents)
 
