@@ -423,9 +423,14 @@ def worker_main(argv):
     classes = tuple(c for c in classes.split(",") if c)
     names = json.loads(sys.stdin.read() or "[]")
     # The protocol gets the real stdout; what tests print goes to the log (stderr).
-    proto = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    with os.fdopen(os.dup(1), "w", buffering=1) as proto:
+        os.dup2(2, 1)
+        sys.stdout = sys.stderr
+        _serve(proto, tests, file, mode, classes, names)
+    return 0
+
+
+def _serve(proto, tests, file, mode, classes, names):
     import warnings
     warnings.simplefilter("default")
     import torchtpu  # noqa: F401  (names the PrivateUse1 backend before the test file imports)
@@ -438,12 +443,11 @@ def worker_main(argv):
                for c in _generated_classes(module, classes)
                for t in unittest.defaultTestLoader.getTestCaseNames(getattr(module, c))]
         proto.write(json.dumps({"tests": ids}) + "\n")
-        return 0
+        return
     for test_id in names:
         proto.write(json.dumps({"start": test_id}) + "\n")
         r = _run_one(module, test_id)
         proto.write(json.dumps(dict(r, test=test_id)) + "\n")
-    return 0
 
 
 if __name__ == "__main__":
