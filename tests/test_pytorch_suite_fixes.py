@@ -219,6 +219,10 @@ CASES = {
                                             torch.tensor([float("nan"), 2.0, -1.0], device=d)),
     "xlog1py_bool_nan": lambda d: torch.special.xlog1py(
         torch.tensor([False, True, False], device=d), torch.tensor([float("nan"), 2.0, -1.0], device=d)),
+    # An integer tensor to a negative integer power: no integer result, refused.
+    "pow_int_negative_scalar": lambda d: torch.tensor([2, 3], device=d).pow(-2),
+    "pow_int_0dim_negative_scalar": lambda d: torch.tensor(2, device=d) ** -1,
+    "pow_int_negative_tensor": lambda d: torch.pow(torch.tensor([2, 3], device=d), torch.tensor([-1, 2], device=d)),
     # igamma/igammac's edge values: PyTorch's cases, in its order (infinite a and x: NaN).
     "igamma_edges": lambda d: torch.igamma(*_igamma_grid(d)),
     "igammac_edges": lambda d: torch.igammac(*_igamma_grid(d)),

@@ -133,7 +133,16 @@ def fmod(x, y):
     return jnp.fmod(x, y)
 
 
-@lowering("aten::pow.Tensor_Tensor", "aten::pow.Tensor_Scalar", "aten::pow.Scalar", promote=Promote.RESULT)
+def _check_pow(x, y):
+    # ATen's pow(Tensor, Scalar): an integer tensor to a negative integer power has no integer
+    # result (a tensor exponent is not checked: its values are on the device).
+    if (isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex())
+            and isinstance(y, int) and y < 0):
+        raise RuntimeError("Integers to negative integer powers are not allowed.")
+
+
+@lowering("aten::pow.Tensor_Tensor", "aten::pow.Tensor_Scalar", "aten::pow.Scalar",
+          promote=Promote.RESULT, validate=_check_pow)
 def pow_(x, y):
     if all(jnp.issubdtype(jnp.asarray(v).dtype, jnp.integer) for v in (x, y)):
         return _int_pow(x, y)
