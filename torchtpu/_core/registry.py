@@ -82,7 +82,13 @@ class Lowering:
     validate: Callable = None
     # The out= variant takes only an out of the result's own dtype (the CPU kernel refuses to
     # cast, e.g. neg, round); other out= variants take any dtype the result can be cast to.
-    exact_out: bool = False
+    # A string: the CPU's message, formatted with {expected} and {got} (dtype names),
+    # {expected_c} and {got_c} (c10's type names) and {name} (the out argument's); a dict: such
+    # a message per out argument.
+    exact_out: bool | str | dict = False
+    # The out= variant takes a bool or uint8 out whatever the result's dtype and refuses any
+    # other (all, any: "all only supports bool tensor for result").
+    bool_out: bool = False
     # Its program checks element values on the device (`check`: an integer division's zero
     # divisor): it never runs over the spare elements of a padded array (_execution/padded.py).
     value_checks: bool = False
@@ -229,11 +235,12 @@ def check(ok, message, exc_type=IndexError):
 
 def deprecated(message, validate=None):
     """A `validate` hook emitting PyTorch's once-per-process deprecation warning for an op
-    (TORCH_WARN_ONCE in its CPU kernel), then running `validate`."""
+    (TORCH_WARN_ONCE in its CPU kernel: every time under torch.set_warn_always(True)), then
+    running `validate`."""
     warned = []
 
     def hook(*args):
-        if not warned:
+        if not warned or torch.is_warn_always_enabled():
             warned.append(True)
             warnings.warn(message, UserWarning, stacklevel=_user_stacklevel())
         if validate is not None:

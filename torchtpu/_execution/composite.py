@@ -1,15 +1,18 @@
 """Dispatcher kernels composed of table kernels and tpu ops, for ops whose PyTorch contract the
 lowering table's pure functions cannot express: in-place running statistics, PyTorch's choice
 of factoring a transpose, an output filled in place *and* returned."""
+import math
 import warnings
 
 import torch
 import torch.nn.functional as F
 
 from .._core.dtypes import to_torch_dtype
+from .._lowerings.meta import dtype_name
 from .._lowerings.batch_norm import _stats_dtype
 from .._lowerings.factories import _check_arange
 from . import fused, growing
+from .overlap import _INTERNAL, _internal_overlap
 from .kernels import kernel_for
 
 aten = torch.ops.aten
@@ -102,15 +105,127 @@ def _arange_out(start, end, step=1, *, out):
     _check_arange(start, end, step, out.dtype)
     n = torch.arange(start, end, step, dtype=out.dtype, device="meta").numel()
     kernel = kernel_for(aten.arange.start_out)
-    if out.numel() == 0 and n:
-        # `torch.arange(n, device=...)` fills a fresh empty tensor: sized here, the op runs
-        # as any other (resized by the kernel, it would run and be waited for at once, as ops
-        # whose out= is resized are, to keep out's layout if a device-side check failed;
-        # arange has none).
+    if out.numel() != n:  # the CPU kernel's own warning, then a plain resize
+        if out.numel() > 0:
+            warnings.warn(f"The number of elements in the out tensor of shape {list(out.shape)} is "
+                          f"{out.numel()} which does not match the computed number of elements {n}. "
+                          "Note that this may occur as a result of rounding error. The out tensor "
+                          f"will be resized to a tensor of shape ({n},).", stacklevel=2)
+        # Sized here, the op runs as any other (`torch.arange(n, device=...)` fills a fresh
+        # empty tensor each step; resized by the kernel, the op would run and be waited for
+        # at once, as ops whose out= is resized are, to keep out's layout should a
+        # device-side check fail: arange has none).
         out.resize_(n)
     if out.numel() != n or out.dim() == 1:
         return kernel(start, end, step, out=out)
     return out.copy_(kernel(start, end, step, out=out.new_empty(n)).view(out.shape))
+
+
+# --- eye, linspace, logspace and nonzero (out=) ------------------------------------------
+
+def _resizing_silently(overload, shape):
+    """The out= kernel of a factory whose CPU kernel resizes `out` to `shape(*args)` without
+    resize_output's warning (eye); the meta kernel would warn."""
+    kernel = kernel_for(overload)
+
+    def run(*args, out):
+        want = shape(*args)
+        if tuple(out.shape) != want and min(want) >= 0:
+            out.resize_(0)
+        return kernel(*args, out=out)
+    return run
+
+
+def _space_out(functional):
+    """linspace/logspace(out=) as ATen's kernels: computed in out's dtype, out resized without a
+    warning only when its number of elements differs (out keeps its shape otherwise, filled in
+    order), an overlapping out refused."""
+    def run(start, end, steps, *base, out):
+        result = functional(start, end, steps, *base, dtype=out.dtype, device=out.device)
+        if out.numel() != steps:
+            out.resize_(0)
+            out.resize_(steps)
+        elif _internal_overlap(out):
+            raise RuntimeError(_INTERNAL)
+        return out.copy_(result.view(out.shape))
+    return run
+
+
+def _range_out(start, end, step=1, *, out):
+    # torch.range (deprecated, end inclusive): ATen's range_out, its checks in its order, out
+    # resized without a warning, values start + i * step computed in double.
+    if not step:
+        raise RuntimeError("step must be nonzero")
+    if not (math.isfinite(start) and math.isfinite(end)):
+        raise RuntimeError(f"unsupported range: {start:g} -> {end:g}")
+    if not ((step > 0 and end >= start) or (step < 0 and end <= start)):
+        raise RuntimeError("upper bound and lower bound inconsistent with step sign")
+    n = int((end - start) / step + 1)
+    if out.numel() != n:
+        out.resize_(0)
+        out.resize_(n)
+    values = torch.arange(n, dtype=torch.float64, device=out.device) * step + start
+    return out.copy_(values.view(out.shape))
+
+
+def _nonzero_out(x, *, out):
+    # The functional op's values decide the shape (a synchronisation, as on CUDA); like the
+    # CPU kernel, an out of another shape is resized (resize_output's warning) to a transposed
+    # (column-major) layout.
+    if out.dtype != torch.int64:
+        raise RuntimeError("nonzero: Expected out tensor to have scalar type Long but got scalar "
+                           f"type{dtype_name(out.dtype)}")
+    result = torch.nonzero(x)
+    shape = tuple(result.shape)
+    if out.shape != shape:
+        if out.numel() > 0:  # ATen's resize_output warning (the Python port words it apart)
+            warnings.warn(f"An output with one or more elements was resized since it had shape "
+                          f"{list(out.shape)}, which does not match the required output shape "
+                          f"{list(shape)}. This behavior is deprecated, and in a future PyTorch "
+                          "release outputs will not be resized unless they have zero elements. You "
+                          "can explicitly reuse an out tensor t by resizing it, inplace, to zero "
+                          "elements with t.resize_(0).", stacklevel=2)
+        out.resize_(0)
+        out.resize_(shape[::-1])
+        out.as_strided_(shape, (1, shape[0]))
+    return out.copy_(result)
+
+
+# --- nn.TransformerEncoderLayer's inference fast path ----------------------------------------
+
+# PyTorch takes the fused encoder-layer op for privateuse1 tensors too (eval mode, no grad); its
+# kernel (ATen's transformer_encoder_layer_forward) is this sequence of ops, each a tpu op.
+def _transformer_encoder_layer_fwd(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight,
+                                   proj_bias, use_gelu, norm_first, eps, norm_weight_1, norm_bias_1,
+                                   norm_weight_2, norm_bias_2, ffn_weight_1, ffn_bias_1,
+                                   ffn_weight_2, ffn_bias_2, mask=None, mask_type=None):
+    if src.numel() == 0:
+        return src.clone()
+
+    def norm(x, weight, bias):
+        return F.layer_norm(x, (embed_dim,), weight, bias, eps)
+
+    x = norm(src, norm_weight_1, norm_bias_1) if norm_first else src
+    # The op's mask: (batch, seq) key padding (mask_type 1), (seq, seq) attention mask (0), or
+    # both merged into (batch, heads, seq, seq) (2); True masks out, as in MultiheadAttention.
+    padding = mask if mask is not None and mask_type == 1 else None
+    attn_mask = None if mask is None or mask_type == 1 else \
+        mask.reshape(-1, *mask.shape[-2:]) if mask.dim() == 4 else mask
+    q = x.transpose(0, 1)  # the fast path is taken for batch_first layers only
+    x = F.multi_head_attention_forward(
+        q, q, q, embed_dim, num_heads, qkv_weight, qkv_bias, None, None, False, 0.0, proj_weight,
+        proj_bias, training=False, key_padding_mask=padding, need_weights=False,
+        attn_mask=attn_mask)[0].transpose(0, 1)
+    x = x + src
+    if not norm_first:
+        x = norm(x, norm_weight_1, norm_bias_1)
+    residual = x
+    if norm_first:
+        x = norm(x, norm_weight_2, norm_bias_2)
+    x = F.linear(x, ffn_weight_1, ffn_bias_1)
+    x = F.gelu(x) if use_gelu else F.relu(x)
+    x = F.linear(x, ffn_weight_2, ffn_bias_2) + residual
+    return x if norm_first else norm(x, norm_weight_2, norm_bias_2)
 
 
 # --- zero_ -------------------------------------------------------------------------------
@@ -223,6 +338,13 @@ def kernels():
             aten._linalg_slogdet.default: _transposed_like_pytorch(aten._linalg_slogdet.default),
             aten.rrelu_with_noise.default: _rrelu_with_noise,
             aten.arange.start_out: _arange_out,
+            aten.eye.out: _resizing_silently(aten.eye.out, lambda n: (n, n)),
+            aten.eye.m_out: _resizing_silently(aten.eye.m_out, lambda n, m: (n, m)),
+            aten.linspace.out: _space_out(torch.linspace),
+            aten.logspace.out: _space_out(torch.logspace),
+            aten.nonzero.out: _nonzero_out,
+            aten.range.out: _range_out,
+            aten._transformer_encoder_layer_fwd.default: _transformer_encoder_layer_fwd,
             aten.zero_.default: _zero_,
             aten.huber_loss.default: _huber_loss,
             aten.where.self: _where,

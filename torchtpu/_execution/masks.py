@@ -47,6 +47,31 @@ def _check_masks(x, indices):
             d += 1
 
 
+def _masked_fill_mask(x, indices, values):
+    """ATen's canDispatchToMaskedFill: an index_put_ without accumulate whose one index is a
+    bool or uint8 mask on x's device and whose value is one element on the CPU runs as
+    masked_fill_ (which refuses a uint8 mask). The mask, broadcastable to x, or None."""
+    if values.numel() != 1 or values.device.type != "cpu":
+        return None
+    mask, dims = None, 0
+    for i in indices:
+        if i is None:
+            dims += 1
+            continue
+        if i.dtype not in (torch.bool, torch.uint8) or i.device != x.device or mask is not None:
+            return None
+        mask = i
+        for j, n in enumerate(i.shape):
+            if dims + j >= x.dim() or x.shape[dims + j] != n:
+                raise IndexError(f"The shape of the mask {list(i.shape)} at index {j} does not "
+                                 f"match the shape of the indexed tensor {list(x.shape)} at index "
+                                 f"{dims + j}")
+        dims += i.dim()
+    if mask is None:
+        return None
+    return mask.reshape(mask.shape + (1,) * (x.dim() - dims))
+
+
 def _integer_indices(x, indices):
     _check_masks(x, indices)
     out = []
@@ -135,16 +160,22 @@ def kernels():
         return index(x, indices) if out is None else out
 
     def index_put_kernel(x, indices, values, accumulate=False):
+        if not accumulate and (mask := _masked_fill_mask(x, indices, values)) is not None:
+            return x.clone().masked_fill_(mask, values.item())
         indices = _integer_indices(x, indices)
         out = _host_run(aten.index_put.default, x, indices, values, (accumulate,))
         return index_put(x, indices, values, accumulate) if out is None else out
 
     def index_put__kernel(x, indices, values, accumulate=False):
+        if not accumulate and (mask := _masked_fill_mask(x, indices, values)) is not None:
+            return x.masked_fill_(mask, values.item())
         indices = _integer_indices(x, indices)
         out = _host_run(aten.index_put_.default, x, indices, values, (accumulate,), inplace=True)
         return index_put_(x, indices, values, accumulate) if out is None else out
 
     def index_put_impl_kernel(x, indices, values, accumulate=False, unsafe=False):
+        if not accumulate and (mask := _masked_fill_mask(x, indices, values)) is not None:
+            return x.masked_fill_(mask, values.item())
         indices = _integer_indices(x, indices)
         out = _host_run(aten._index_put_impl_.default, x, indices, values, (accumulate, unsafe),
                         inplace=True)

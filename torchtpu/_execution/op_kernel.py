@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten
 from .._core import runtime, storage
 from .._core.dtypes import cast, to_jax_dtype, to_torch_dtype
 from .._core import registry
-from .._lowerings.meta import dtype_name
+from .._lowerings.meta import _c10_name, dtype_name
 from . import async_compile, bounded, debug, executables, fused, modes, overlap, spmd, strided, sync
 from .._core import metrics
 from .._core.metrics import FlushReason
@@ -255,8 +255,10 @@ class OpKernel:
         if device is None:
             device = runtime.current_device()
         scalars += offsets  # (after the op's own numbers: run() takes them from the end)
-        if not buffers:
-            key.append(torch.get_default_dtype())
+        # The default dtype decides a factory's dtype and an integer input's or a Python
+        # float's promotion (int / int, int + 2.5): an executable built under float32 must not
+        # serve a call under float64.
+        key.append(torch.get_default_dtype())
         if mode is None:
             mode = modes.get_eager_mode()
         fused_mode = mode is _FUSED
@@ -693,10 +695,23 @@ class OpKernel:
             return
         outs = [t for a, v in zip(self.args, vals) if a.is_out and v is not None
                 for t in (v if isinstance(v, (list, tuple)) else [v])]
-        for out, dtype in zip(outs, results):
+        out_names = [a.name for a, v in zip(self.args, vals) if a.is_out and v is not None]
+        for out, dtype, name in zip(outs, results, out_names + [""] * len(outs)):
             dtype = to_torch_dtype(dtype)
+            if self.low.bool_out:
+                if out.dtype not in (torch.bool, torch.uint8):
+                    raise RuntimeError(f"{self.overload._schema.name.split('::')[1]} only supports "
+                                       f"bool tensor for result, got: {dtype_name(out.dtype)}")
+                continue
             if self.low.exact_out and out.dtype != dtype:
-                raise RuntimeError(f"Found dtype {dtype_name(out.dtype)} but expected {dtype_name(dtype)}")
+                message = self.low.exact_out
+                if isinstance(message, dict):  # one message per out argument
+                    message = message[name]
+                if not isinstance(message, str):
+                    message = "Found dtype {got} but expected {expected}"
+                raise RuntimeError(message.format(
+                    expected=dtype_name(dtype), got=dtype_name(out.dtype), name=name,
+                    expected_c=_c10_name(dtype), got_c=_c10_name(out.dtype)))
             if not torch.can_cast(dtype, out.dtype):
                 raise self.low.out_cast_error(
                     f"result type {dtype_name(dtype)} can't be cast to the desired output type "

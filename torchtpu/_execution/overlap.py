@@ -20,7 +20,12 @@ _NO_OVERLAP = {"aten::cat", "aten::index_select", "aten::take", "aten::masked_se
                "aten::gather", "aten::index_put_", "aten::_index_put_impl_"}
 # Ops that only refuse an output mapping several elements to one address.
 _OUTPUT_ONLY = {"aten::bernoulli", "aten::bernoulli_", "aten::uniform_", "aten::normal_", "aten::random_",
-                "aten::exponential_", "aten::geometric_", "aten::cauchy_", "aten::log_normal_"}
+                "aten::exponential_", "aten::geometric_", "aten::cauchy_", "aten::log_normal_",
+                "aten::linspace", "aten::logspace", "aten::range", "aten::arange"}
+
+# Elementwise ops without the pointwise tag on their functional overload (ATen's kernels are
+# TensorIterator loops all the same, so they refuse overlapping writes like the tagged ones).
+_UNTAGGED_POINTWISE = {"aten::hardswish"}
 
 _INTERNAL = ("unsupported operation: more than one element of the written-to tensor refers to a "
              "single memory location. Please clone() the tensor before performing the operation.")
@@ -35,7 +40,9 @@ def check(kernel, vals, resized):
     gathering and random ops check the outputs they are given; elementwise ops check them once
     resized (`resized`)."""
     name = kernel.overload._schema.name
-    if kernel.low.promote is registry.Promote.RESULT and name not in _NO_OVERLAP:
+    if name == "aten::conj_physical_" and not vals[0].is_complex():
+        return  # ATen returns before iterating: conjugating a real tensor changes nothing
+    if _elementwise(kernel) and name not in _NO_OVERLAP:
         if not resized:
             return
     elif resized or name not in _NO_OVERLAP and name not in _OUTPUT_ONLY:
@@ -54,6 +61,16 @@ def check(kernel, vals, resized):
             status = _overlap(w, r)
             if status == _PARTIAL or (status == _FULL and name in _NO_OVERLAP):
                 raise RuntimeError(_BETWEEN)
+
+
+def _elementwise(kernel):
+    """Whether ATen runs the op as a TensorIterator loop: our arithmetic (promoted to the
+    result's dtype) and every op PyTorch tags pointwise (elu_, relu_, sign_, where(out=)...)."""
+    if kernel.low.promote is registry.Promote.RESULT:
+        return True
+    functional = kernel.functional or kernel.inplace_of or kernel.overload
+    return (torch.Tag.pointwise in functional.tags
+            or functional._schema.name in _UNTAGGED_POINTWISE)
 
 
 def _internal_overlap(t):

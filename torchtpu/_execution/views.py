@@ -40,6 +40,9 @@ def _empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=
 
 
 def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+    if len(size) != len(stride):  # (checked before the storage's size, as ATen does)
+        raise RuntimeError(f"dimensionality of sizes ({len(size)}) must match dimensionality of "
+                           f"strides ({len(stride)})")
     dtype = dtype or torch.get_default_dtype()
     return _empty(list(size), list(stride), dtype, device_index(device))
 

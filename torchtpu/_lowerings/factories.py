@@ -1,5 +1,6 @@
 """Tensor factories and random ops (random ops draw from the per-device generator)."""
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -8,10 +9,12 @@ import torch
 
 from .._core.dtypes import check_scalar_fits, to_jax_dtype
 from .._core.registry import check, lowering
-from .meta import dtype_name
+from .meta import _c10_name, dtype_name
 
 
 def _check_arange(start, end, step=1, dtype=None, *rest):
+    if not all(math.isfinite(v) for v in (start, end)):
+        raise RuntimeError(f"unsupported range: {start:g} -> {end:g}")
     if dtype is not None and (dtype.is_complex or dtype == torch.bool):
         raise NotImplementedError(f'"arange_cpu" not implemented for \'{dtype_name(dtype)}\'')
 
@@ -41,10 +44,21 @@ def scalar_tensor(s, dtype=None, layout=None, device=None, pin_memory=None):
     return jnp.asarray(s)
 
 
-@lowering("aten::linspace.default", static=("start", "end"))
+def _check_space(name):
+    def validate(start, end, steps, *rest):
+        # The CPU's words (PyTorch's reference says "linspace():" for both ops).
+        dtype = next((a for a in rest if isinstance(a, torch.dtype)), None)
+        if dtype is not None and not dtype.is_complex and complex in (type(start), type(end)):
+            raise RuntimeError(f"torch.{name}(): inferred dtype c10::complex<float> can't be safely "
+                               f"cast to passed dtype {dtype_name(dtype)}")
+    return validate
+
+
+@lowering("aten::linspace.default", "aten::linspace.out", static=("start", "end"),
+          validate=_check_space("linspace"))
 def linspace(start, end, steps, dtype=None, layout=None, device=None, pin_memory=None):
     out = to_jax_dtype(dtype or torch.get_default_dtype())
-    if steps < 2 or jnp.issubdtype(out, jnp.complexfloating):
+    if steps < 2 or jnp.issubdtype(out, jnp.complexfloating) or complex in (type(start), type(end)):
         return jnp.linspace(start, end, steps)
     # PyTorch's CPU kernel's formula, evaluated on the host in the output's arithmetic (double
     # for integers, whose results truncate): the first half counts up from start, the second
@@ -52,6 +66,8 @@ def linspace(start, end, steps, dtype=None, layout=None, device=None, pin_memory
     # the kernel's scalar loop; its vectorised loop (long outputs) can differ in the last bit.
     t = np.float64 if jnp.issubdtype(out, jnp.integer) else \
         np.float32 if out in (jnp.float16, jnp.bfloat16) else np.dtype(out).type
+    if jnp.issubdtype(out, jnp.integer):  # the kernel converts the bounds first (truncating)
+        start, end = int(start), int(end)
     lo, hi = t(start), t(end)
     step = (hi - lo) / t(steps - 1)
     idx = np.arange(steps)
@@ -60,12 +76,12 @@ def linspace(start, end, steps, dtype=None, layout=None, device=None, pin_memory
     return jnp.asarray(values.astype(t)).astype(out)
 
 
-@lowering("aten::eye.default")
+@lowering("aten::eye.default", "aten::eye.out")
 def eye(n, dtype=None, layout=None, device=None, pin_memory=None):
     return jnp.eye(n)
 
 
-@lowering("aten::eye.m")
+@lowering("aten::eye.m", "aten::eye.m_out")
 def eye_m(n, m, dtype=None, layout=None, device=None, pin_memory=None):
     return jnp.eye(n, m)
 
@@ -92,6 +108,25 @@ def normal_(key, x, mean=0.0, std=1.0, generator=None):
 def _check_random_range(x, low, high=None, generator=None):
     if high is not None and low >= high:
         raise RuntimeError(f"random_ expects 'from' to be less than 'to', but got from={low} >= to={high}")
+    # ATen's check_from_to_in_range: from and to - 1 must be values of x's dtype.
+    if x.dtype.is_floating_point:
+        info = torch.finfo(x.dtype)
+    else:
+        info = torch.iinfo(x.dtype) if x.dtype != torch.bool else None
+    lo, hi = (0, 1) if info is None else (info.min, info.max)
+    checked = [(v, name) for v, name in ((low, "from"), (None if high is None else high - 1, "to - 1"))
+               if v is not None]
+    for value, name in checked:
+        if not lo <= value <= hi:
+            raise RuntimeError(f"{name} is out of bounds for {_c10_name(x.dtype)}")
+    if x.dtype.is_floating_point:  # beyond 2**digits, not every integer is a value of the dtype
+        digits = 1 - int(math.log2(torch.finfo(x.dtype).eps))
+        for value, name in checked:
+            if not -(2 ** digits) <= value <= 2 ** digits:
+                warnings.warn(f"{name} is out of bounds [-(2^{digits}), 2^{digits}]. Due to precision "
+                              f"limitations {_c10_name(x.dtype)} can support discrete uniform "
+                              "distribution only within this range. This warning will become an "
+                              "error in version 1.7 release, please fix the code in advance")
 
 
 def _check_random_to(x, high, generator=None):
@@ -104,6 +139,23 @@ def random_from(key, x, low, high=None, generator=None):
         high = 2 ** 63 - 1 if x.dtype == jnp.int64 else int(jnp.iinfo(x.dtype).max) + 1 \
             if jnp.issubdtype(x.dtype, jnp.integer) else 2 ** 24 + 1
     return jax.random.randint(key, x.shape, low, high, jnp.int64).astype(x.dtype)
+
+
+def _random_default_high(dtype):
+    """One past the largest value random_() draws: [0, 2**mantissa digits] for floating types
+    (every integer there is exact), [0, max] for integer types, [0, 2**63 - 1) for int64."""
+    if dtype == jnp.bool_:
+        return 2
+    if dtype == jnp.int64:
+        return 2 ** 63 - 1
+    if jnp.issubdtype(dtype, jnp.integer):
+        return int(jnp.iinfo(dtype).max) + 1
+    return 2 ** (jnp.finfo(dtype).nmant + 1) + 1
+
+
+@lowering("aten::random_.default", random=True, fill=True)
+def random_default(key, x, generator=None):
+    return jax.random.randint(key, x.shape, 0, _random_default_high(x.dtype), jnp.int64).astype(x.dtype)
 
 
 @lowering("aten::random_.to", random=True, fill=True, validate=_check_random_to)
@@ -217,12 +269,17 @@ def geometric_(key, x, p, generator=None):
     return jnp.maximum(jnp.ceil(jnp.log(u) / jnp.log1p(-p)), 1).astype(x.dtype)
 
 
-@lowering("aten::logspace.default", static=("start", "end", "base"))
+@lowering("aten::logspace.default", "aten::logspace.out", static=("start", "end", "base"),
+          validate=_check_space("logspace"))
 def logspace(start, end, steps, base=10.0, dtype=None, layout=None, device=None,
              pin_memory=None):
     # Like PyTorch: the exponents are evenly spaced, then base ** exponent (in float64 here
     # so that integer outputs truncate the exact powers).
-    exponents = jnp.linspace(start, end, steps, dtype=jnp.float64)
+    complex_out = complex in (type(start), type(end)) or (
+        dtype is not None and dtype.is_complex)
+    if dtype is not None and not dtype.is_floating_point and not dtype.is_complex:
+        start, end = int(start), int(end)  # the kernel converts the bounds first (truncating)
+    exponents = jnp.linspace(start, end, steps, dtype=jnp.complex128 if complex_out else jnp.float64)
     return jnp.power(jnp.float64(base), exponents)
 
 

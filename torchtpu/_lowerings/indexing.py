@@ -2,20 +2,16 @@
 so every index is bounds-checked: the check is computed by the op's executable and read at the
 host's next wait, as CUDA's device asserts are (_execution/sync.py)."""
 import functools
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
 import torch
 from torch._prims_common import canonicalize_dim
 
-from .._core.registry import check, lowering
-from .._core.dtypes import check_scalar_fits
+from .._core.registry import _user_stacklevel, check, lowering
+from .._core.dtypes import check_scalar_fits, to_torch_dtype
 from .meta import dtype_name
-
-
-def _torch_dtype_name(dtype):
-    from .._core.dtypes import to_torch_dtype
-    return str(to_torch_dtype(dtype)).replace("torch.", "")
 
 
 def check_index(idx, size, message="index out of range", exc_type=IndexError, negative=True):
@@ -334,8 +330,11 @@ def index_copy(x, dim, index, source):
 @lowering("aten::masked_scatter.default", eager=True)
 def masked_scatter(x, mask, source):
     if mask.dtype != jnp.bool_:
+        if mask.dtype == jnp.uint8:  # the CPU kernel warns, then refuses
+            warnings.warn("masked_scatter_ received a mask with dtype torch.uint8, this behavior "
+                          "is now deprecated,please use a mask with dtype torch.bool instead.")
         raise RuntimeError(f"masked_scatter_ only supports boolean masks, but got mask with "
-                           f"dtype {_torch_dtype_name(mask.dtype)}")
+                           f"dtype {dtype_name(to_torch_dtype(mask.dtype))}")
     shape = jnp.broadcast_shapes(x.shape, mask.shape)
     x, mask = jnp.broadcast_to(x, shape), jnp.broadcast_to(mask, shape)
     n = int(jnp.sum(mask))
@@ -400,6 +399,31 @@ def index_reduce(x, dim, index, source, reduce, include_self=True):
                        f"amin but got {reduce}.")
 
 
+_COPY_WARNED = set()
+
+
+def _warn_copy(what, t):
+    # ATen copies a non-contiguous operand of searchsorted/bucketize and says so, once per
+    # program and operand (TORCH_WARN_ONCE: every time under torch.set_warn_always(True)).
+    if isinstance(t, torch.Tensor) and not t.is_contiguous() and (
+            what not in _COPY_WARNED or torch.is_warn_always_enabled()):
+        _COPY_WARNED.add(what)
+        warnings.warn(f"torch.searchsorted(): {what} tensor is non-contiguous, this will lower the "
+                      "performance due to extra data copy when converting non-contiguous tensor to "
+                      f"contiguous, please use contiguous {what} tensor if possible. This message "
+                      "will only appear once per program.", stacklevel=_user_stacklevel())
+
+
+def _check_searchsorted(seq, values, out_int32=False, right=False, side=None, sorter=None):
+    _warn_copy("input value", values)
+    _warn_copy("boundary", seq)
+    _warn_copy("sorter", sorter)
+
+
+def _check_bucketize(x, boundaries, *rest):
+    _check_searchsorted(boundaries, x)
+
+
 def _searchsorted(seq, values, right, side, sorter):
     side = side or ("right" if right else "left")
     if sorter is not None:
@@ -415,12 +439,12 @@ def _searchsorted(seq, values, right, side, sorter):
     return find(seq, values.reshape(lead + (-1,))).reshape(values.shape)
 
 
-@lowering("aten::searchsorted.Tensor")
+@lowering("aten::searchsorted.Tensor", validate=_check_searchsorted)
 def searchsorted(seq, values, out_int32=False, right=False, side=None, sorter=None):
     return _searchsorted(seq, values, right, side, sorter)
 
 
-@lowering("aten::searchsorted.Scalar")
+@lowering("aten::searchsorted.Scalar", validate=_check_searchsorted)
 def searchsorted_scalar(seq, value, out_int32=False, right=False, side=None, sorter=None):
     return _searchsorted(seq, jnp.asarray(value, seq.dtype), right, side, sorter)
 
@@ -464,7 +488,7 @@ def take(x, index):
     return x.reshape(-1)[_wrap(index, x.size)]
 
 
-@lowering("aten::bucketize.Tensor")
+@lowering("aten::bucketize.Tensor", validate=_check_bucketize)
 def bucketize(x, boundaries, out_int32=False, right=False):
     if boundaries.ndim != 1:
         raise RuntimeError(f"boundaries tensor must be 1 dimension, but got dim({boundaries.ndim})")

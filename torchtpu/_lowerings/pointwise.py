@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import torch
 from jax import lax
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from .._core.dtypes import check_scalar_fits
 from .._core.registry import Promote, check, lowering
@@ -17,7 +18,23 @@ def _not_complex(name):
     return validate
 
 
-@lowering("aten::add.Tensor", "aten::add.Scalar", promote=Promote.RESULT)
+def _check_alpha(x, y, alpha=1):
+    # ATen's alpha_check, on the dtype the op computes in (PyTorch's Python reference raises
+    # another message, and the table's promotion would quietly cast the alpha).
+    if alpha is None or (isinstance(alpha, int) and not isinstance(alpha, bool) and alpha == 1):
+        return
+    dtype = elementwise_dtypes(x, y, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)[1]
+    if isinstance(alpha, bool) and dtype != torch.bool:
+        raise RuntimeError("Boolean alpha only supported for Boolean results.")
+    if not (dtype.is_floating_point or dtype.is_complex or isinstance(alpha, int)):
+        raise RuntimeError("For integral input tensors, argument alpha must not be a floating "
+                           "point number.")
+    if isinstance(alpha, complex) and not dtype.is_complex:
+        raise RuntimeError("For non-complex input tensors, argument alpha must not be a complex "
+                           "number.")
+
+
+@lowering("aten::add.Tensor", "aten::add.Scalar", promote=Promote.RESULT, validate=_check_alpha)
 def add(x, y, alpha=1):
     return x + alpha * y
 
@@ -33,6 +50,7 @@ def _check_sub(x, y, alpha=1):
         raise RuntimeError("Subtraction, the `-` operator, with a bool tensor is not supported. "
                            "If you are trying to invert a mask, use the `~` or `logical_not()` "
                            "operator instead.")
+    _check_alpha(x, y, alpha)
 
 
 @lowering("aten::sub.Tensor", "aten::sub.Scalar", promote=Promote.RESULT, validate=_check_sub)
@@ -115,7 +133,16 @@ def fmod(x, y):
     return jnp.fmod(x, y)
 
 
-@lowering("aten::pow.Tensor_Tensor", "aten::pow.Tensor_Scalar", "aten::pow.Scalar", promote=Promote.RESULT)
+def _check_pow(x, y):
+    # ATen's pow(Tensor, Scalar): an integer tensor to a negative integer power has no integer
+    # result (a tensor exponent is not checked: its values are on the device).
+    if (isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex())
+            and isinstance(y, int) and y < 0):
+        raise RuntimeError("Integers to negative integer powers are not allowed.")
+
+
+@lowering("aten::pow.Tensor_Tensor", "aten::pow.Tensor_Scalar", "aten::pow.Scalar",
+          promote=Promote.RESULT, validate=_check_pow)
 def pow_(x, y):
     if all(jnp.issubdtype(jnp.asarray(v).dtype, jnp.integer) for v in (x, y)):
         return _int_pow(x, y)
@@ -298,9 +325,15 @@ def complex_logaddexp(x, y):
     return jnp.where(nan, jnp.array(complex(jnp.nan, jnp.nan), x.dtype), result)
 
 
+def xlog(x, y, log):
+    """PyTorch's xlogy/xlog1py: NaN where y is NaN, else 0 where x is 0 (a NaN y with a zero x
+    gives NaN, where SciPy's gives 0), else x * log(y)."""
+    return jnp.where(jnp.isnan(y), jnp.nan, jnp.where(x == 0, 0, x * log(y)))
+
+
 @lowering("aten::xlogy.Tensor", promote=Promote.RESULT)
 def xlogy(x, y):
-    return jax.scipy.special.xlogy(x, y)
+    return xlog(x, y, jnp.log)
 
 
 # --- comparisons and logic -------------------------------------------------------------

@@ -123,6 +123,53 @@ for _name in ("amax.default", "amin.default", "heaviside.default", "neg.default"
               "nan_to_num.default"):
     if (_low := _lowering("aten::" + _name)) is not None:
         _low.exact_out = True
+for _name in ("complex.default", "polar.default"):  # no cast: complex's kernel says so
+    if (_low := _lowering("aten::" + _name)) is not None:
+        _low.exact_out = "Expected object of scalar type {expected} but got scalar type {got} for argument 'out'"
+for _name, _message in {
+        # The CPU's kernels write no other dtype than the result's; their words for it.
+        "max.dim": "Expected out tensor to have dtype {expected_c}, but got {got_c} instead",
+        "min.dim": "Expected out tensor to have dtype {expected_c}, but got {got_c} instead",
+        "amax.default": "Expected the dtype for input and out to match, but got {expected} for "
+                        "input's dtype and {got} for out's dtype.",
+        "amin.default": "Expected the dtype for input and out to match, but got {expected} for "
+                        "input's dtype and {got} for out's dtype.",
+        "mode.default": "expected scalar type '{expected}' but got '{got}' for {name} output",
+        "isposinf.default": "isposinf does not support non-boolean outputs.",
+        "isneginf.default": "isneginf does not support non-boolean outputs.",
+        "frexp.Tensor": {
+            "mantissa": "torch.frexp() expects mantissa to have dtype {expected_c} but got {got_c}",
+            "exponent": "torch.frexp() expects exponent to have int dtype but got {got_c}"}}.items():
+    if (_low := _lowering("aten::" + _name)) is not None:
+        _low.exact_out = _message
+
+
+def _check_repeated_dims(x, dim=None, *rest):
+    # ATen's make_dim_mask, after wrapping (PyTorch's Python reference words it differently).
+    if isinstance(dim, (list, tuple)) and isinstance(x, torch.Tensor):
+        seen = set()
+        for d in dim:
+            w = d % max(x.dim(), 1) if -max(x.dim(), 1) <= d < max(x.dim(), 1) else d
+            if w in seen:
+                raise RuntimeError(f"dim {w} appears multiple times in the list of dims")
+            seen.add(w)
+
+
+for _name in ("sum.dim_IntList", "mean.dim", "amax.default", "amin.default", "nansum.default",
+              "var.correction", "std.correction", "var_mean.correction", "std_mean.correction",
+              "logsumexp.default", "any.dims", "all.dims"):
+    _also("aten::" + _name, _check_repeated_dims)
+
+
+def _check_kthvalue(x, k, dim=-1, keepdim=False):
+    if x.dim() > 0 and -x.dim() <= dim < x.dim() and x.shape[dim] == 0:
+        raise IndexError(f"kthvalue(): Expected reduction dim {dim % x.dim()} to have non-zero size.")
+
+
+_also("aten::kthvalue.default", _check_kthvalue)
+for _name in ("all.default", "all.dim", "all.dims", "any.default", "any.dim", "any.dims"):
+    if (_low := _lowering("aten::" + _name)) is not None:
+        _low.bool_out = True
 refuse(("bool",), "aten::addcmul.default", arity=3)
 refuse(("bool", "int"), "aten::uniform_.default", "aten::normal_.default")
 refuse(("bool", "int"), "aten::_adaptive_avg_pool2d.default", "aten::_adaptive_avg_pool3d.default")
@@ -158,3 +205,26 @@ def _check_nansum_dtype(x, dim=None, keepdim=False, dtype=None, *rest):
 
 
 _also("aten::nansum.default", _check_nansum_dtype)
+
+
+# The backward of an in-place elu_/celu_/leaky_relu_ reads the forward's result in place of
+# its input, which a negative slope cannot invert: the CPU refuses rather than guess.
+_INPLACE_SLOPE = ("In-place {} backward calculation is triggered with a negative slope which is "
+                  "not supported. This is caused by calling in-place forward function with a "
+                  "negative slope, please call out-of-place version instead.")
+
+
+def _check_elu_backward(grad, alpha, scale, input_scale, is_result, *rest):
+    if is_result and alpha < 0:
+        raise RuntimeError(_INPLACE_SLOPE.format("elu"))
+
+
+def _check_leaky_relu_backward(grad, x, negative_slope, self_is_result):
+    if self_is_result and negative_slope < 0:
+        raise RuntimeError(_INPLACE_SLOPE.format("leakyReLu") + " File an issue at "
+                           "https://github.com/pytorch/pytorch if you do require supporting "
+                           "in-place leakRelu backward calculation with negative slope")
+
+
+_also("aten::elu_backward.default", _check_elu_backward)
+_also("aten::leaky_relu_backward.default", _check_leaky_relu_backward)

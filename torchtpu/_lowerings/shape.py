@@ -59,7 +59,15 @@ def flip(x, dims):
     return jnp.flip(x, axis=tuple(dims)) if x.ndim else x
 
 
-@lowering("aten::roll.default")
+def _check_roll(x, shifts, dims=()):
+    # The CPU kernel's checks, before any dim is wrapped (the meta kernel wraps first).
+    if not shifts:
+        raise RuntimeError("`shifts` required")
+    if dims and len(shifts) != len(dims) or not dims and len(shifts) != 1:
+        raise RuntimeError(f"shifts and dimensions must align. shifts: {len(shifts)}, dims:{len(dims)}")
+
+
+@lowering("aten::roll.default", validate=_check_roll)
 def roll(x, shifts, dims=()):
     if not dims:
         return jnp.roll(x.reshape(-1), shifts).reshape(x.shape)

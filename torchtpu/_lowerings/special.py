@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import jax.scipy.special as jss
 from jax import lax
 
-from .pointwise import digamma
+from .pointwise import digamma, xlog
 from .._core.registry import Promote, lowering
 
 
@@ -40,12 +40,12 @@ def logit(x, eps=None):
 @lowering("aten::special_xlog1py.default", "aten::special_xlog1py.self_scalar",
           "aten::special_xlog1py.other_scalar", promote=Promote.RESULT, opmath=True)
 def xlog1py(x, y):
-    return jss.xlog1py(x, y)
+    return xlog(x, y, jnp.log1p)
 
 
 @lowering("aten::xlogy.Scalar_Self", "aten::xlogy.Scalar_Other", promote=Promote.RESULT)
 def xlogy_scalar(x, y):
-    return jss.xlogy(x, y)
+    return xlog(x, y, jnp.log)
 
 
 @lowering("aten::special_zeta.default", "aten::special_zeta.self_scalar",
@@ -56,18 +56,26 @@ def zeta(x, q):
     return jnp.where(x == 1, jnp.inf, jnp.where(x < 1, jnp.nan, r))
 
 
+def _igamma_cases(a, x, r, lower):
+    """PyTorch's special cases of calc_igamma/calc_igammac, in its order, around SciPy's value
+    `r` (which gives NaN for several of them): `lower` for igamma, else igammac."""
+    one, zero = (1, 0) if lower else (0, 1)
+    nan = jnp.nan
+    return jnp.where((x < 0) | (a < 0), nan,
+           jnp.where(a == 0, jnp.where(x > 0, one, nan),
+           jnp.where(x == 0, zero,
+           jnp.where(jnp.isinf(a), jnp.where(jnp.isinf(x), nan, zero),
+           jnp.where(jnp.isinf(x), one, r)))))
+
+
 @lowering("aten::igamma.default", promote=Promote.RESULT, opmath=True)
 def igamma(a, x):
-    # PyTorch's special cases where SciPy's gives NaN: a = 0 with x > 0 gives 1, an infinite a
-    # with a finite x gives 0.
-    r = jnp.where((a == 0) & (x > 0), 1, jss.gammainc(a, x))
-    return jnp.where(jnp.isinf(a) & jnp.isfinite(x), 0, r)
+    return _igamma_cases(a, x, jss.gammainc(a, x), lower=True)
 
 
 @lowering("aten::igammac.default", promote=Promote.RESULT, opmath=True)
 def igammac(a, x):
-    return jnp.where(
-        (a == 0) & (x > 0), 0, jnp.where(jnp.isinf(a) & jnp.isfinite(x), 1, jss.gammaincc(a, x)))
+    return _igamma_cases(a, x, jss.gammaincc(a, x), lower=False)
 
 
 @lowering("aten::mvlgamma.default", promote=Promote.RESULT, opmath=True)

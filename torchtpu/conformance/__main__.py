@@ -25,11 +25,24 @@ def main(argv=None):
     p.add_argument("--no-errors", action="store_true", help="skip error_inputs")
     p.add_argument("--fallback", action="store_true",
                    help="also re-run not-implemented samples with the CPU fallback and count them")
-    p.add_argument("--timeout", type=int, default=120, help="seconds per sample (default 120)")
+    p.add_argument("--timeout", type=int, default=None,
+                   help="seconds per sample (default 120), or per test with --pytorch-tests (default 300)")
     p.add_argument("--json", default=None, help="write the full results as JSON here")
     p.add_argument("--write-doc", default=None, help="write a markdown coverage page here")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no per-op table")
+    t = p.add_argument_group("PyTorch's device-generic test suites (docs/op_coverage.md)")
+    t.add_argument("--pytorch-tests", metavar="PATH", default=None,
+                   help="run PyTorch's own test suites from this source checkout instead of OpInfos")
+    t.add_argument("--suites", default="", help="comma list of suites (default: all)")
+    t.add_argument("--tests", default=None, help="only tests whose Class.name matches this regex")
+    t.add_argument("--opinfo-tests", action="store_true",
+                   help="also the OpInfo-parametrized tests (@ops), in float32")
+    t.add_argument("--all-dtypes", action="store_true",
+                   help="every test in every dtype: no float32 slice, OpInfo-parametrized tests included")
     args = p.parse_args(argv)
+    if args.pytorch_tests:
+        return _pytorch_tests(p, args, argv)
+    args.timeout = 120 if args.timeout is None else args.timeout
 
     dtypes = list(DTYPES) if args.dtypes == "all" else [d.strip() for d in args.dtypes.split(",") if d.strip()]
     for d in dtypes:
@@ -63,6 +76,36 @@ def main(argv=None):
                       f, indent=1)
     if args.write_doc:
         write_doc(args.write_doc, results, totals, dtypes, command)
+    return 0
+
+
+def _pytorch_tests(p, args, argv):
+    from .pytorch_suites import run_suites, select_suites, test_dir
+    from .report import format_suite_failures, format_suites, write_suites_doc
+    try:
+        test_dir(args.pytorch_tests)
+        suites = select_suites([s.strip() for s in args.suites.split(",") if s.strip()])
+    except (FileNotFoundError, ValueError) as exc:
+        p.error(str(exc))
+    start = time.time()
+    command = "python -m torchtpu.conformance " + " ".join(argv if argv is not None else sys.argv[1:])
+    results = []
+    for suite in suites:  # one at a time, each in processes of its own
+        results += run_suites(args.pytorch_tests, [suite], timeout=args.timeout or 300,
+                              pattern=args.tests, all_dtypes=args.all_dtypes,
+                              opinfo_tests=args.opinfo_tests, progress=not args.quiet)
+        print(format_suites(results[-1:], header=len(results) == 1), flush=True)
+        if args.json:  # after each suite: a long sweep's finished suites are kept
+            with open(args.json, "w") as f:
+                json.dump({"command": command, "seconds": round(time.time() - start, 1),
+                           "suites": results}, f, indent=1)
+    seconds = time.time() - start
+    if not args.quiet:
+        print(format_suite_failures(results))
+    print(format_suites(results, total=True))
+    print(f"{seconds:.0f}s")
+    if args.write_doc:
+        write_suites_doc(args.write_doc, results, command, seconds)
     return 0
 
 

@@ -1,0 +1,274 @@
+"""What PyTorch's device-generic test suites found (python -m torchtpu.conformance --pytorch-tests,
+docs/pytorch_test_suites.md): one small case per fix, each run on the CPU and on tpu, which must
+agree in values (assert_close's tolerance), dtypes, shapes, strides, the exception raised (type
+and message) and the warnings given."""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchtpu  # noqa: F401
+
+
+def _run(call, device):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            result, error = call(device), None
+        except Exception as e:  # noqa: BLE001 - compared with the CPU's below
+            result, error = None, e
+        if device != "cpu":
+            torch.tpu.synchronize()
+    messages = sorted([str(w.message).split(" (Triggered internally")[0] for w in caught
+                       if not issubclass(w.category, DeprecationWarning)])
+    return result, error, messages
+
+
+def _flat(result):
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if isinstance(result, (tuple, list)):
+        return [t for r in result for t in _flat(r)]
+    return [result]
+
+
+def same_on_both(call):
+    expected, cpu_error, cpu_warnings = _run(call, "cpu")
+    got, tpu_error, tpu_warnings = _run(call, "tpu")
+    if cpu_error is not None:
+        assert type(tpu_error) is type(cpu_error), (tpu_error, cpu_error)
+        assert str(tpu_error) == str(cpu_error)
+    else:
+        assert tpu_error is None, tpu_error
+        for g, e in zip(_flat(got), _flat(expected), strict=True):
+            if isinstance(e, torch.Tensor):
+                assert g.device.type == "tpu" and g.dtype == e.dtype and g.shape == e.shape
+                assert g.stride() == e.stride(), (g.stride(), e.stride())
+                torch.testing.assert_close(g.cpu(), e, equal_nan=True)
+            else:
+                assert g == e
+    assert tpu_warnings == cpu_warnings
+
+
+def _expanded(d):
+    return torch.tensor([-0.5], device=d).expand(3, 3)
+
+
+def _inplace_backward(forward):
+    def call(d):
+        x = torch.randn(4, generator=torch.Generator().manual_seed(0)).to(d).requires_grad_()
+        forward(x.clone()).sum().backward()
+        return x.grad
+    return call
+
+
+def _out(shape, dtype=torch.float32, transposed=False):
+    def make(d):
+        t = torch.empty(shape[::-1] if transposed else shape, dtype=dtype, device=d)
+        return t.t() if transposed else t
+    return make
+
+
+def _nonzero_out(out):
+    def call(d):
+        o = out(d)
+        torch.nonzero(torch.tensor([[0, 1], [1, 1]], device=d), out=o)
+        return o
+    return call
+
+
+def _eye_out(*args, out):
+    def call(d):
+        o = out(d)
+        torch.eye(*args, out=o)
+        return o
+    return call
+
+
+def _under_float64_after_float32(op):
+    """`op` under the float32 default, then under float64 (which must not reuse the first's
+    executable: the default dtype decides an integer division's dtype)."""
+    def call(d):
+        first = op(d)
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            return first, op(d)
+        finally:
+            torch.set_default_dtype(old)
+    return call
+
+
+def _encoder_layer(norm_first, activation, masked):
+    """nn.TransformerEncoderLayer in eval mode without grad: PyTorch's fast path, one fused op."""
+    def call(d):
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, norm_first=norm_first,
+                                                 activation=activation).eval().to(d)
+        x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1)).to(d)
+        mask = torch.tensor([[False] * 5, [False, False, False, True, True]], device=d)
+        with torch.no_grad():
+            return layer(x, src_key_padding_mask=mask if masked else None)
+    return call
+
+
+def _warn_always(call):
+    def run(d):
+        torch.set_warn_always(True)
+        try:
+            return [call(d) for _ in range(2)]  # warned each time, not once per process
+        finally:
+            torch.set_warn_always(False)
+    return run
+
+
+def _filled_narrow(d, fill, dtype=torch.float32):
+    """An out= of the right number of elements but another shape keeps its shape (2, 2), filled
+    in order, and its base shows it."""
+    x = torch.zeros(2, 3, dtype=dtype, device=d)
+    fill(x.narrow(1, 1, 2))
+    return x
+
+
+def _igamma_grid(d):
+    values = [0.0, 1e-3, 1.0, 10.0, float("inf"), -1.0, float("nan")]
+    a, x = torch.tensor(values).repeat_interleave(len(values)), torch.tensor(values).repeat(len(values))
+    return a.to(d), x.to(d)
+
+
+CASES = {
+    # An in-place elementwise op writing overlapping memory: ATen's TensorIterator refuses it.
+    "elu_overlap": lambda d: F.elu_(_expanded(d)),
+    "leaky_relu_overlap": lambda d: F.leaky_relu_(_expanded(d)),
+    "hardswish_overlap": lambda d: F.hardswish(_expanded(d), inplace=True),
+    "relu_overlap": lambda d: _expanded(d).relu_(),
+    "sign_overlap": lambda d: _expanded(d).sign_(),
+    "conj_physical_real_overlap": lambda d: _expanded(d).conj_physical_(),  # a no-op: allowed
+    # The backward of an in-place forward with a negative slope is refused.
+    "elu_negative_alpha": _inplace_backward(lambda x: F.elu_(x, alpha=-2.0)),
+    "celu_negative_alpha": _inplace_backward(lambda x: F.celu_(x, alpha=-2.0)),
+    "leaky_relu_negative_slope": _inplace_backward(lambda x: F.leaky_relu_(x, -2.0)),
+    "leaky_relu_positive_slope": _inplace_backward(lambda x: F.leaky_relu_(x, 0.2)),
+    # out= variants: nonzero resizes to a column-major layout (with resize_output's warning when
+    # out had elements), keeps an out of the right shape, refuses another dtype; eye resizes
+    # silently; arange warns in its own words.
+    "nonzero_out_resized": _nonzero_out(_out((2,), torch.int64)),
+    "nonzero_out_kept": _nonzero_out(_out((3, 2), torch.int64, transposed=True)),
+    "nonzero_out_dtype": _nonzero_out(_out((0,))),
+    "eye_out_resized": _eye_out(3, out=_out((2,))),
+    "eye_m_out_kept": _eye_out(3, 2, out=_out((3, 2), transposed=True)),
+    "eye_out_bool": _eye_out(2, 3, out=_out((0,), torch.bool)),
+    "eye_out_negative": _eye_out(-1, out=_out((0,))),
+    "arange_out_resized": lambda d: torch.arange(5, out=torch.empty(3, device=d)),
+    "linspace_out_resized": lambda d: torch.linspace(0, 10, 5, out=torch.empty(3, device=d)),
+    "logspace_out_int": lambda d: torch.logspace(0, 2, 5, 2, out=torch.empty(0, dtype=torch.int64, device=d)),
+    "linspace_out_narrow": lambda d: _filled_narrow(d, lambda o: torch.linspace(0, 3, 4, out=o)),
+    "range_out_narrow": lambda d: _filled_narrow(d, lambda o: torch.range(0, 3, out=o)),
+    "logspace_out_int_narrow": lambda d: _filled_narrow(
+        d, lambda o: torch.logspace(0, 3, 4, 2, out=o), torch.int64),
+    "linspace_out_int_permuted": lambda d: torch.linspace(
+        0, 9000, 9000, out=torch.zeros(3, 3, 1000, dtype=torch.int64, device=d).permute(2, 0, 1)),
+    "linspace_complex_into_float": lambda d: torch.linspace(0, 1j, 5, dtype=torch.float32, device=d),
+    "linspace_int_float_bounds": lambda d: torch.linspace(1.7, 10.2, 5, dtype=torch.int64, device=d),
+    "logspace_int_float_bounds": lambda d: torch.logspace(0, 1.2, 4, dtype=torch.int64, device=d),
+    "linspace_complex_bounds": lambda d: torch.linspace(1, 2 + 1j, 4, device=d),
+    "logspace_complex_bounds": lambda d: torch.logspace(1j, 2j, 3, device=d),
+    "linspace_out_overlap": lambda d: torch.linspace(0, 1, 10, out=torch.empty(1, device=d).expand(10)),
+    "arange_nan_end": lambda d: torch.arange(-5, float("nan"), device=d),
+    "arange_inf_end": lambda d: torch.arange(0.5, float("inf"), device=d),
+    "range_step": lambda d: torch.range(1, 0.1, -0.3, device=d),
+    "range_out_resized": lambda d: torch.range(0, 3, out=torch.empty(2, dtype=torch.int64, device=d)),
+    "range_step_sign": lambda d: torch.range(0, 3, -1, device=d),
+    "complex_out_dtype": lambda d: torch.complex(torch.ones(2, dtype=torch.float64, device=d),
+                                                 torch.ones(2, dtype=torch.float64, device=d),
+                                                 out=torch.zeros(2, dtype=torch.float64, device=d)),
+    "polar_out_dtype": lambda d: torch.polar(torch.ones(2, device=d), torch.ones(2, device=d),
+                                             out=torch.zeros(2, dtype=torch.complex128, device=d)),
+    "empty_strided_rank_mismatch": lambda d: torch.tensor(1.0, device=d).new_empty_strided((2,), ()),
+    "roll_dims_mismatch": lambda d: torch.ones(2, 4, device=d).roll(shifts=(1,), dims=(1, 2)),
+    "roll_no_shifts": lambda d: torch.ones(2, 4, device=d).roll(shifts=(), dims=1),
+    # random_(): [0, 2**digits] for floating types, [0, max] for integers; from/to - 1 checked
+    # against the dtype's range.
+    "random_default_ranges": lambda d: [bool(t.min() >= 0) and bool(t.max() <= hi) and t.dtype
+                                        for t, hi in [(torch.empty(1000, dtype=dt, device=d).random_(), hi)
+                                                      for dt, hi in [(torch.float16, 2048), (torch.bfloat16, 256),
+                                                                     (torch.uint8, 255), (torch.bool, 1)]]],
+    "random_to_out_of_bounds": lambda d: torch.empty(3, dtype=torch.uint8, device=d).random_(0, 257),
+    "random_bool_out_of_bounds": lambda d: torch.empty(3, dtype=torch.bool, device=d).random_(0, 3),
+    "random_bfloat16_precision_warning": lambda d: torch.empty(3, dtype=torch.bfloat16, device=d).random_(0, 2 ** 20).shape,
+    "random_from_out_of_bounds": lambda d: torch.empty(3, dtype=torch.uint8, device=d).random_(-1, 3),
+    # add/sub's alpha: ATen's checks of it against the computation's dtype.
+    "add_int_float_alpha": lambda d: torch.add(torch.ones(3, dtype=torch.int32, device=d), 1, alpha=1.1),
+    "add__int_float_alpha": lambda d: torch.ones(3, dtype=torch.int64, device=d).add_(
+        torch.ones(3, dtype=torch.int64, device=d), alpha=2.0),
+    "add_bool_alpha": lambda d: torch.ones(3, device=d).add(torch.ones(3, device=d), alpha=True),
+    "add_bool_bool_alpha": lambda d: torch.ones(3, dtype=torch.bool, device=d).add(
+        torch.ones(3, dtype=torch.bool, device=d), alpha=True),
+    "sub_complex_alpha": lambda d: torch.sub(torch.ones(3, device=d), torch.ones(3, device=d), alpha=1j),
+    "sub_float_alpha": lambda d: torch.sub(torch.ones(3, device=d), torch.ones(3, device=d), alpha=2.5),
+    # Results whose dtype is the default dtype's.
+    "div_int_default_float64": _under_float64_after_float32(
+        lambda d: torch.tensor([1, 2], device=d) / torch.tensor([3, 4], device=d)),
+    "true_divide_int_default_float64": _under_float64_after_float32(
+        lambda d: torch.true_divide(torch.tensor([1, 2], device=d), torch.tensor([3, 4], device=d))),
+    "add_int_float_default_float64": _under_float64_after_float32(
+        lambda d: torch.tensor([1, 2], device=d) + 2.5),
+    # xlogy/xlog1py: a NaN y gives NaN even where x is zero (here a bool x, promoted).
+    "xlogy_bool_nan": lambda d: torch.xlogy(torch.tensor([False, True, False], device=d),
+                                            torch.tensor([float("nan"), 2.0, -1.0], device=d)),
+    "xlog1py_bool_nan": lambda d: torch.special.xlog1py(
+        torch.tensor([False, True, False], device=d), torch.tensor([float("nan"), 2.0, -1.0], device=d)),
+    # An integer tensor to a negative integer power: no integer result, refused.
+    "pow_int_negative_scalar": lambda d: torch.tensor([2, 3], device=d).pow(-2),
+    "pow_int_0dim_negative_scalar": lambda d: torch.tensor(2, device=d) ** -1,
+    "pow_int_negative_tensor": lambda d: torch.pow(torch.tensor([2, 3], device=d), torch.tensor([-1, 2], device=d)),
+    # igamma/igammac's edge values: PyTorch's cases, in its order (infinite a and x: NaN).
+    "igamma_edges": lambda d: torch.igamma(*_igamma_grid(d)),
+    "igammac_edges": lambda d: torch.igammac(*_igamma_grid(d)),
+    # index_put_ with one mask and a one-element CPU value runs as masked_fill_ (ATen's
+    # canDispatchToMaskedFill), which refuses a uint8 mask instead of warning.
+    "index_put_uint8_mask_cpu_value": lambda d: torch.zeros(3, device=d).index_put_(
+        (torch.tensor([1, 0, 1], dtype=torch.uint8, device=d),), torch.tensor(1.0)),
+    "index_put_bool_mask_cpu_value": lambda d: torch.zeros(3, 2, device=d).index_put(
+        (torch.tensor([True, False, True], device=d),), torch.tensor(2.0)),
+    "index_put_uint8_mask_device_value": lambda d: torch.zeros(3, device=d).index_put_(
+        (torch.tensor([1, 0, 1], dtype=torch.uint8, device=d),), torch.ones(2, device=d)),
+    "masked_scatter_uint8_mask": lambda d: torch.zeros(3, device=d).masked_scatter_(
+        torch.tensor([1, 0, 1], dtype=torch.uint8, device=d), torch.ones(3, device=d)),
+    # Warnings.
+    "_aminmax_deprecated_warn_always": _warn_always(lambda d: torch._aminmax(torch.arange(4.0, device=d))),
+    "searchsorted_non_contiguous": _warn_always(lambda d: torch.searchsorted(
+        torch.tensor([[1, 3, 5, 7, 9], [2, 4, 6, 8, 10]], device=d).t().contiguous().t(),
+        torch.tensor([[3, 6], [9, 1], [2, 5]], device=d).t())),
+    "bucketize_non_contiguous": _warn_always(lambda d: torch.bucketize(
+        torch.tensor([[3, 6], [9, 1]], device=d).t(), torch.tensor([1, 3, 5, 7], device=d))),
+    # Ops PyTorch's fast paths call.
+    "transformer_encoder_layer": _encoder_layer(False, "relu", False),
+    "transformer_encoder_layer_norm_first_gelu_masked": _encoder_layer(True, "gelu", True),
+    # Reductions: an out of another dtype, a repeated dim, an empty reduced dim.
+    "max_dim_out_dtype": lambda d: torch.max(torch.ones(3, 4, device=d), 1, out=(
+        torch.empty(0, dtype=torch.int32, device=d), torch.empty(0, dtype=torch.int64, device=d))),
+    "amax_out_dtype": lambda d: torch.amax(torch.ones(3, 4, device=d), 1,
+                                           out=torch.empty(0, dtype=torch.int32, device=d)),
+    "mode_indices_out_dtype": lambda d: torch.mode(torch.ones(3, 4, device=d), 1, out=(
+        torch.empty(0, device=d), torch.empty(0, dtype=torch.int32, device=d))),
+    "isposinf_out_float": lambda d: torch.isposinf(torch.ones(3, device=d), out=torch.empty(3, device=d)),
+    "frexp_out_mantissa_dtype": lambda d: torch.frexp(torch.ones(3, device=d), out=(
+        torch.empty(3, dtype=torch.float64, device=d), torch.empty(3, dtype=torch.int32, device=d))),
+    "frexp_out_exponent_dtype": lambda d: torch.frexp(torch.ones(3, device=d), out=(
+        torch.empty(3, device=d), torch.empty(3, dtype=torch.int64, device=d))),
+    "mean_repeated_dim": lambda d: torch.ones(3, 4, device=d).mean((0, -2)),
+    "kthvalue_empty_dim": lambda d: torch.kthvalue(torch.ones(2, 0, device=d), 1, 1),
+    # all/any store into a bool or uint8 out only.
+    "all_out_float": lambda d: torch.all(torch.ones(3, device=d), out=torch.empty(0, device=d)),
+    "any_dim_out_int": lambda d: torch.any(torch.ones(3, 2, device=d), 1,
+                                           out=torch.empty(0, dtype=torch.int32, device=d)),
+    "all_out_uint8": lambda d: torch.all(torch.ones(3, device=d),
+                                         out=torch.empty(0, dtype=torch.uint8, device=d)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_behaves_as_on_the_cpu(case):
+    same_on_both(CASES[case])
