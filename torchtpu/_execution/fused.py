@@ -43,7 +43,8 @@ EAGER_ROUNDING = {"xla_allow_excess_precision": False}
 
 class Trace:
     __slots__ = ("device", "signature", "where", "ext_arrays", "ext_ids", "scalars", "pendings",
-                 "captured", "in_backward", "ran_backward", "ext_buffers", "ext_queued", "mesh")
+                 "captured", "in_backward", "ran_backward", "ext_buffers", "ext_queued", "mesh",
+                 "abstract")
 
     def __init__(self, device):
         self.device = device
@@ -65,6 +66,9 @@ class Trace:
         # The mesh of the process group whose collectives it holds (None: none): the trace
         # runs on every rank of it (spmd.py); a collective of another group starts a new trace.
         self.mesh = None
+        # A capture that only describes the storages nothing wrote yet (it is lowered, never
+        # run: torchtpu.scaling costs a step of a model materialised without memory).
+        self.abstract = False
 
     def flush(self, reason):
         """Run the pending trace: a `Pending` value of this trace is being read."""
@@ -155,7 +159,12 @@ def _record(kernel, compiled, vals, buffers, scalars, device):
         else:  # a capture reads storages at replay: a value still to come need not wait
             ident = id(b)
             queued = async_compile.queued(a)
-            a = async_compile.abstract(a, b) if queued else b.value()
+            if queued:
+                a = async_compile.abstract(a, b)
+            elif a is None and tr.abstract:
+                a = jax.ShapeDtypeStruct((b.nbytes // np.dtype(b.dtype).itemsize,), b.dtype)
+            else:
+                a = b.value()
         k = tr.ext_ids.get(ident)
         if k is None:
             k = tr.ext_ids[ident] = len(tr.ext_arrays)
@@ -216,9 +225,10 @@ class CaptureBroken(RuntimeError):
         self.reason, self.op, self.where = reason, op, where
 
 
-def start_capture(device, by_storage=False):
+def start_capture(device, by_storage=False, abstract=False):
     """Start recording into a fresh trace that is never flushed; returns (trace, the mode to
-    restore).  `by_storage`: note the storage of every external input (torch.tpu graphs)."""
+    restore).  `by_storage`: note the storage of every external input (torch.tpu graphs);
+    `abstract`: describe unwritten storages instead of reading them (see Trace.abstract)."""
     global _trace
     flush(FlushReason.CAPTURE)
     previous = modes.own_mode()
@@ -228,6 +238,7 @@ def start_capture(device, by_storage=False):
     if by_storage:
         tr.ext_buffers = []
         tr.ext_queued = {}
+    tr.abstract = abstract
     return tr, previous
 
 
