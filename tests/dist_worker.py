@@ -482,6 +482,35 @@ def scenario_fsdp_setup():
                    optim_state_dict=state["optim"])
     resumed, _ = train_clipped(fresh, data[3:], r, n, opt=fresh_opt, clip=0.5)
     check_losses(resumed, ref_losses[3:], "FSDP2 resumed from a DCP checkpoint")
+
+    # What XLA on a TPU is given for a captured FSDP2 step, lowered here without a TPU: one
+    # program holding the all-gathers and reduce-scatters among the step's matmuls.
+    import re
+    model = shard(make_model(), mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2, device="tpu"), capturable=True)
+    tokens = data[0].chunk(n)[r].to("tpu")
+
+    def step():
+        loss_of(model, tokens).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    for _ in range(2):
+        step()
+    g = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g):
+        step()
+    g.replay()
+    path = os.path.join(tempfile.mkdtemp(prefix="torchtpu-hlo-"), "step.mlir")
+    g.debug_dump(path, platform="tpu")
+    text = open(path).read()
+    ops = {k: len(re.findall(rf"stablehlo\.{k}\b", text))
+           for k in ("all_gather", "reduce_scatter", "dot_general")}
+    print(f"MEASURE tpu_program rank={r} {ops}", flush=True)
+    # FSDP2's units: the root and 2 blocks, gathered in the forward and (blocks) the backward,
+    # plus the signature check's all-gather; each unit's gradients reduce-scattered.
+    assert ops["all_gather"] >= 1 + 3 + 2 and ops["reduce_scatter"] >= 3, ops
+    assert ops["dot_general"] > 0 and text.count("func.func public @main") == 1, ops
     dist.destroy_process_group()
 
 

@@ -619,6 +619,16 @@ class Segment:
     def lower(self, ext_arrays, packed_scalars):
         return self._make((False,) * len(ext_arrays)).lower([], ext_arrays, packed_scalars)
 
+    def export(self, ext_arrays, packed_scalars, platforms):
+        """StableHLO text of the program for `platforms` (spmd.export), whose devices this
+        process need not have; a segment without collectives is one device's program."""
+        function = segment_function(*self.structure, (False,) * len(ext_arrays))
+        args = ([], ext_arrays, packed_scalars)
+        if self.mesh is not None:
+            return spmd.export(function, self.mesh.devices.size, self.collectives, args, platforms)
+        abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), args)
+        return jax.export.export(jax.jit(function), platforms=platforms)(*abstract).mlir_module()
+
 
 @contextlib.contextmanager
 def donation_warnings_ignored():

@@ -173,9 +173,10 @@ def _without_collectives(fn):
 def program(fn, sig, inline_below=0):
     """The body of a program over a group's mesh: `fn(*args)` (the per-rank computation,
     collectives over AXIS included) behind the signature check: where the ranks' signatures
-    differ, fn runs with its collectives skipped (`skipping`).  Returns fn's outputs, the
+    differ, fn runs with its collectives skipped (`skipping`).  Its first argument is the
+    previous such program's marker, unused but kept (see Program).  Returns fn's outputs, the
     check's verdict, every rank's signature and a marker (see _marker)."""
-    def body(*args):
+    def body(after, *args):
         marker = _marker(inline_below)
         if sig is None:
             return fn(*args), jnp.bool_(True), jnp.zeros((1, _LEN), jnp.int64), marker
@@ -184,6 +185,27 @@ def program(fn, sig, inline_below=0):
         out = lax.cond(ok, lambda a: fn(*a), _without_collectives(fn), args)
         return out, ok, rows, marker
     return body
+
+
+def export(fn, size, collectives, args, platforms):
+    """The StableHLO text of per-rank function `fn` as the program every rank of a `size`-rank
+    group runs on `platforms` (e.g. ["tpu"]), lowered by jax.export without their devices:
+    what XLA there would be given (its collectives inside the one program, beside the compute
+    its latency-hiding scheduler can overlap them with)."""
+    mesh = jax.sharding.AbstractMesh((size,), (AXIS,))
+    sig = signature(collectives) if check_enabled() else None
+    body = jax.shard_map(program(fn, sig), mesh=mesh, in_specs=P(), out_specs=P(),
+                         check_vma=False)
+
+    def described(a):
+        if isinstance(a, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
+            return jax.ShapeDtypeStruct(a.shape, a.dtype)
+        value = jnp.asarray(a)
+        return jax.ShapeDtypeStruct(value.shape, value.dtype, weak_type=True)
+
+    abstract = jax.tree_util.tree_map(described, args)
+    after = jax.ShapeDtypeStruct((), jnp.float32)
+    return jax.export.export(jax.jit(body), platforms=platforms)(after, *abstract).mlir_module()
 
 
 def _replicated(mesh):
@@ -214,11 +236,20 @@ def _local(x):
     return x.addressable_data(0) if isinstance(x, jax.Array) else x
 
 
+_previous = {}  # device -> the marker of the last program dispatched there
+
+
 class Program:
     """An `executables.Executable` of a per-rank function run on every rank of `mesh`:
     called, built and prepared with this rank's local arrays, it returns fn's local results.
     `collectives`: the signature entries (describe_collective) of what it holds; `what`: how
-    the mismatch error names it."""
+    the mismatch error names it.
+
+    Each program takes the previous one's marker as an argument (kept though unused), so a
+    device runs its collective programs one after another in dispatch order, as one CUDA
+    stream runs NCCL's work: dispatched asynchronously, two programs that do not depend on
+    each other could otherwise run at once (XLA:CPU does), and gloo, pairing collectives by
+    order, then paired one rank's first with another's second."""
 
     __slots__ = ("executable", "sharding", "mesh", "what", "checked")
 
@@ -233,7 +264,9 @@ class Program:
         spmd = jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
         if key is not None:
             key = f"spmd over {[d.id for d in mesh.devices.flat]} checked {sig is not None}: {key}"
-        self.executable = executables.Executable(spmd, key, name, **options)
+        # fn's arguments come after the previous program's marker.
+        options["donate_argnums"] = tuple(i + 1 for i in options.get("donate_argnums", ()))
+        self.executable = executables.Executable(spmd, key, name, keep_unused=True, **options)
 
     @property
     def last(self):  # (async_compile's fast path is not taken for these programs)
@@ -244,8 +277,15 @@ class Program:
         return self.executable.jitted
 
     def _global(self, args):
+        """(the previous program's marker, *args), as global arrays."""
         sharding = self.sharding
-        return jax.tree_util.tree_map(lambda a: to_global(a, sharding), args)
+        leaves = jax.tree_util.tree_leaves(args)
+        device = next((next(iter(a.devices())) for a in leaves if isinstance(a, jax.Array)),
+                      None)
+        after = _previous.get(device)
+        if after is None:
+            after = _previous[device] = jax.device_put(np.float32(0), device)
+        return jax.tree_util.tree_map(lambda a: to_global(a, sharding), (after, *args))
 
     def prepare(self, *args):
         return self.executable.prepare(*self._global(args))
@@ -274,6 +314,7 @@ class Program:
         if self.checked:
             sync.defer((ok, rows.addressable_data(0)), _mismatch_error(self.what, self.mesh))
         marker = marker.addressable_data(0)
+        _previous[next(iter(marker.devices()))] = marker
         for hook in _on_dispatch:
             hook(self.mesh, marker)
         return out

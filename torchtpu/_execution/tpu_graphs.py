@@ -204,10 +204,15 @@ class TPUGraph:
     def enable_debug_mode(self):
         pass
 
-    def debug_dump(self, debug_path):
-        """Write the StableHLO of the captured step to `debug_path`."""
+    def debug_dump(self, debug_path, platform=None):
+        """Write the StableHLO of the captured step to `debug_path`: as this process runs it,
+        or as it would be given to XLA on `platform` ("tpu", "cuda", "cpu"), lowered without
+        that platform's devices (with collectives: the program every rank runs)."""
         arrays = [b.value() for b in self._inputs]
-        text = self._segment.lower(arrays, self._scalars.for_run()).as_text()
+        if platform is not None:
+            text = self._segment.export(arrays, self._scalars.for_run(), [platform])
+        else:
+            text = self._segment.lower(arrays, self._scalars.for_run()).as_text()
         with open(debug_path, "w") as f:
             f.write(text)
 
