@@ -141,7 +141,12 @@ def test_killed_rank_raises_instead_of_hanging():
     assert_passed(results, "rank_dies", ranks={0})
     assert results[1][0] == 17
     (m,) = measures(results[0][1])
-    assert "DistBackendError" in m and "did another rank exit?" in m, m
+    # gloo reports the closed connection at once, or (seen on a loaded machine: the peer's
+    # sockets close while its context is being set up) the collective never completes and the
+    # group's 20 s timeout raises; either way a DistBackendError, never a hang.
+    waited = float(re.search(r"error_after=([\d.]+)s", m).group(1))
+    assert "DistBackendError" in m and waited <= 25, m
+    assert "did another rank exit?" in m or "timed out after 0:00:20" in m, m
 
 
 def test_stalled_rank_times_out():
