@@ -2,13 +2,16 @@
 lowering table's pure functions cannot express: in-place running statistics, PyTorch's choice
 of factoring a transpose, an output filled in place *and* returned."""
 import math
+import os
 import warnings
 
 import torch
 import torch.nn.functional as F
 
+from .._core import metrics, runtime
 from .._core.dtypes import to_torch_dtype
 from .._lowerings.meta import dtype_name
+from .._lowerings import attention
 from .._lowerings.batch_norm import _stats_dtype
 from .._lowerings.factories import _check_arange
 from . import fused, growing
@@ -273,12 +276,13 @@ def _where_out(condition, x, y, *, out):
 
 # PyTorch picks an attention kernel per device through a C++ dispatch stub that a Python backend
 # cannot fill, so on tpu F.scaled_dot_product_attention would always decompose into its math
-# kernel (seven ops).  This kernel, installed for the op's autograd key as well, takes the fused
-# op PyTorch provides for other devices instead (one program; its backward has PyTorch's own
-# autograd formula), unless the call is one the fused lowering does not cover or the user has
-# turned that backend off (torch.nn.attention.sdpa_kernel): then the op's own composite runs.
-def _fused_attention_covers(q, k, v, mask, dropout_p, enable_gqa):
-    if dropout_p != 0.0 or not torch._C._get_overrideable_sdp_enabled():
+# kernel (seven ops, the whole score matrix in memory).  This kernel, installed for the op's
+# autograd key as well, runs `torchtpu::attention` instead (one program, its backward one
+# more) in the implementation `_implementation` picks, unless the call is one that op does not
+# cover or the user has turned PyTorch's fused backends off (torch.nn.attention.sdpa_kernel
+# without SDPBackend.OVERRIDEABLE): then the op's own composite runs.
+def _fused_attention_covers(q, k, v, mask, enable_gqa):
+    if not torch._C._get_overrideable_sdp_enabled():
         return False
     if not (q.dim() == k.dim() == v.dim() and q.dim() in (3, 4)):
         return False
@@ -304,18 +308,53 @@ def _fused_attention_covers(q, k, v, mask, dropout_p, enable_gqa):
     return True
 
 
+def attention_setting():
+    """The implementation the user asked for: `torch.tpu.attention_implementation`, else the
+    environment's TORCHTPU_ATTENTION; None (or "auto") lets each call choose."""
+    name = getattr(torch.tpu, "attention_implementation", None)
+    if name is None:
+        name = os.environ.get("TORCHTPU_ATTENTION") or None
+    return None if name == "auto" else name
+
+
+def _implementation(q, k, v, mask, dropout_p, is_causal):
+    """The attention implementation of this call (counted as `attention::<name>`)."""
+    shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape), _dtype_name(q.dtype),
+              None if mask is None else _dtype_name(mask.dtype), dropout_p, is_causal)
+    platform = runtime.platform()
+    asked = attention_setting()
+    if asked is None:
+        name = attention.choose(platform, *shapes)
+    else:
+        why = attention.unsupported(asked, platform, *shapes)
+        if why is not None:
+            raise RuntimeError(f"scaled_dot_product_attention: the attention implementation "
+                               f"{asked!r} (torch.tpu.attention_implementation or "
+                               f"TORCHTPU_ATTENTION) does not take this call: {why}")
+        name = asked
+    metrics.counters[f"attention::{name}"] += 1
+    return name
+
+
+def _dtype_name(dtype):
+    return str(dtype).removeprefix("torch.")
+
+
 def _scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *,
                                   scale=None, enable_gqa=False):
-    if _fused_attention_covers(q, k, v, attn_mask, dropout_p, enable_gqa):
-        grown = growing.attention(q, k, v, attn_mask, is_causal, scale)
-        if grown is not None:
-            return grown
-        if q.dim() == 3:  # (the fused op's meta kernel fails on a 3-d query when the values'
-            # width is not the keys')
-            return aten._scaled_dot_product_fused_attention_overrideable(
-                q[None], k[None], v[None], attn_mask, dropout_p, is_causal, scale=scale)[0][0]
-        return aten._scaled_dot_product_fused_attention_overrideable(
-            q, k, v, attn_mask, dropout_p, is_causal, scale=scale)[0]
+    if _fused_attention_covers(q, k, v, attn_mask, enable_gqa):
+        if not dropout_p:
+            grown = growing.attention(q, k, v, attn_mask, is_causal, scale)
+            if grown is not None:
+                metrics.counters["attention::xla"] += 1
+                return grown
+        name = _implementation(q, k, v, attn_mask, dropout_p, is_causal)
+        seed = None
+        if dropout_p:  # (drawn from the device's generator: a random op of its own)
+            seed = torch.empty((), dtype=torch.int64, device=q.device).random_(1 << 62)
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        return torch.ops.torchtpu.attention(q, k, v, attn_mask, seed, float(dropout_p),
+                                            bool(is_causal), scale, name)[0]
     return aten.scaled_dot_product_attention.default.decompose(
         q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 
