@@ -179,7 +179,7 @@ def attention_backward(grad, q, k, v, bias, seed, out, lse, dropout_p, is_causal
 
 # --- the op -----------------------------------------------------------------------------
 
-_lib = torch.library.Library("torchtpu", "DEF")
+_lib = torch.library.Library("torchtpu", "FRAGMENT")
 _lib.define("attention(Tensor query, Tensor key, Tensor value, Tensor? attn_bias, Tensor? seed, "
             "float dropout_p, bool is_causal, float scale, str implementation) "
             "-> (Tensor output, Tensor logsumexp)")
