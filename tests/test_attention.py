@@ -297,3 +297,63 @@ def test_attention_in_a_compiled_step_matches_the_cpu(monkeypatch):
         assert_same(d.grad, a.grad, atol=1.25e-5, rtol=5.25e-6)
     # (counted while Dynamo and AOTAutograd trace the graph: its replays run no Python per op)
     assert counts("attention::blockwise")[0] > before
+
+
+# --- FlexAttention -------------------------------------------------------------------------
+
+def _flex_patterns(length, device):
+    """(score_mod, mask_mod) of each pattern: causal, a sliding window, documents (packed
+    sequences: queries attend within their document), ALiBi's per-head linear bias."""
+    documents = (torch.arange(length) * 3 // length).to(device)  # three documents
+
+    def causal(b, h, q, kv):
+        return q >= kv
+
+    def sliding(b, h, q, kv):
+        return (q >= kv) & (q - kv <= 16)
+
+    def document(b, h, q, kv):
+        return documents[q] == documents[kv]
+
+    def alibi(score, b, h, q, kv):
+        return score - (h + 1) * 0.125 * (q - kv).abs()
+
+    return {"causal": (None, causal), "sliding-window": (None, sliding),
+            "document": (None, document), "alibi": (alibi, causal)}
+
+
+def _flex_reference(q, k, v, score_mod, mask_mod):
+    """The attention written out on the CPU (its FlexAttention has no backward)."""
+    B, H, L, _ = q.shape
+    b, h, i, j = (torch.arange(n).reshape(shape) for n, shape in
+                  ((B, (B, 1, 1, 1)), (H, (1, H, 1, 1)), (L, (1, 1, L, 1)), (L, (1, 1, 1, L))))
+    s = q @ k.mT / q.shape[-1] ** 0.5
+    if score_mod is not None:
+        s = score_mod(s, b, h, i, j)
+    s = s.masked_fill(~mask_mod(b, h, i, j).expand(s.shape), float("-inf"))
+    return s.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_flex_attention_patterns_match_the_cpu(compiled):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    B, H, L, D = 2, 2, 128, 16
+    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+    run = torch.compile(flex_attention, backend="tpu") if compiled else flex_attention
+    cpu_patterns, tpu_patterns = _flex_patterns(L, "cpu"), _flex_patterns(L, "tpu")
+    for name, (score_mod, mask_mod) in cpu_patterns.items():
+        args = [x.clone().requires_grad_() for x in (q, k, v)]
+        want = _flex_reference(*args, score_mod, mask_mod)
+        # (the reference is the CPU's own FlexAttention's forward)
+        cpu_mask = create_block_mask(mask_mod, B, H, L, L, device="cpu")
+        torch.testing.assert_close(flex_attention(q, k, v, score_mod, cpu_mask), want.detach(),
+                                   atol=1e-5, rtol=5e-6)
+        dev_score, dev_mask = tpu_patterns[name]
+        dev = [x.detach().to("tpu").requires_grad_() for x in (q, k, v)]
+        got = run(*dev, dev_score, create_block_mask(dev_mask, B, H, L, L, device="tpu"))
+        assert_same(got, want.detach(), atol=1e-5, rtol=5e-6)
+        grad = torch.randn_like(want)
+        want.backward(grad)
+        got.backward(grad.to("tpu"))
+        for d, a in zip(dev, args):
+            assert_same(d.grad, a.grad, atol=1.25e-5, rtol=5.25e-6)
