@@ -7,10 +7,8 @@ forward and backward), in one run.
                                    [--impls auto,xla,blockwise] [--dense-max-seq 8192]
                                    [--heads 8 --dim 64 --dtype float32]
 
-Each (implementation, length) runs in a process of its own. Memory is the process's resident
-set (/proc/self/status), not torch.tpu.max_memory_allocated (XLA's temporaries inside an
-executable do not show there), with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_) so
-freed buffers leave the resident set: "peak" is the highest resident set above the one before
+Each (implementation, length) runs in a process of its own (resident_memory.py says how memory
+is read): "peak" is the highest resident set above the one before
 the first call (so it includes compiling the programs, some 20-150 MiB that does not grow with
 L), "steady" the highest above the one after it, during the timed calls (XLA:CPU keeps an
 executable's temporary buffers between calls, so for its programs this undercounts: the
@@ -20,38 +18,24 @@ Times are the range (min-max) of --repeats calls after the warm-up.
 """
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 
-
-def _status(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def _reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current resident set
+from resident_memory import reset_peak, run_worker, status
 
 
 def _measure(step, repeats):
-    base = _status("VmRSS")
+    base = status("VmRSS")
     step()
-    warm = _status("VmRSS")
-    peak_warm = _status("VmHWM")
-    _reset_peak()
+    warm = status("VmRSS")
+    peak_warm = status("VmHWM")
+    reset_peak()
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
-    peak = max(peak_warm, _status("VmHWM"))
-    return dict(times=times, peak=peak - base, steady=_status("VmHWM") - warm)
+    peak = max(peak_warm, status("VmHWM"))
+    return dict(times=times, peak=peak - base, steady=status("VmHWM") - warm)
 
 
 def _torch_step(impl, seq, heads, dim, dtype):
@@ -108,13 +92,8 @@ def worker(impl, seq, heads, dim, dtype, repeats):
 
 
 def run(impl, seq, a):
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", TORCHTPU_CACHE_DIR="")
-    cmd = [sys.executable, __file__, "--worker", impl, "--seq", str(seq), "--heads",
-           str(a.heads), "--dim", str(a.dim), "--dtype", a.dtype, "--repeats", str(a.repeats)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        return dict(error=(done.stderr.strip().splitlines() or ["?"])[-1][:80])
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_worker(__file__, [impl, "--seq", str(seq), "--heads", str(a.heads), "--dim",
+                                 str(a.dim), "--dtype", a.dtype, "--repeats", str(a.repeats)])
 
 
 def main():

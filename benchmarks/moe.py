@@ -5,30 +5,21 @@ MoE code has, e.g. Hugging Face's Mixtral, in strict eager) against the same ste
 JAX (jax.lax.ragged_dot under one jax.jit) and torch CPU (eager, _grouped_mm), in one run.
 
     python benchmarks/moe.py [--tokens 2048 --dim 256 --hidden 512 --experts 8 --top-k 2]
-                             [--steps 5] [--runs tpu-compile,tpu-strict,tpu-loop,jax,torch]
+                             [--steps 5] [--runs jax,tpu-compile,tpu-strict,tpu-loop,torch]
 
 Every step draws new tokens, so the routing changes each step. Each run is a process of its
-own; "peak" is its highest resident set above the one before the first step (the first step,
+own (resident_memory.py says how memory is read); "peak" is its highest resident set above the one before the first step (the first step,
 compiling included), as in benchmarks/attention.py. "waits" and "compiles" are torchtpu's
 blocking host waits and executables built over the timed steps (after two warm-up steps).
 Times are the range (min-max) of the timed steps.
 """
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 
+from resident_memory import run_worker, status
+
 VOCAB = 1024
-
-
-def _status(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def _batches(a, n):
@@ -44,19 +35,12 @@ def _torch_run(run, a):
     device = "cpu" if run == "torch" else "tpu"
     if device == "tpu":
         import torchtpu  # noqa: F401
-    from torchtpu.examples.moe import MoEModel
+    from torchtpu.examples.moe import MoEModel, training_step
     torch.manual_seed(0)
     model = MoEModel(VOCAB, a.dim, a.hidden, a.experts, a.top_k,
                      experts="loop" if run == "tpu-loop" else "grouped_mm").to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=device == "tpu")
-
-    def step(idx, tgt):
-        loss = model(idx, tgt)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
+    step = training_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3,
+                                                  capturable=device == "tpu"))
     fn = torch.compile(step, backend="tpu") if run == "tpu-compile" else step
     batches = [(i.to(device), t.to(device)) for i, t in _batches(a, a.steps + 2)]
 
@@ -135,7 +119,7 @@ def _jax_run(a):
 
 def worker(run, a):
     call = _jax_run(a) if run == "jax" else _torch_run(run, a)
-    base = _status("VmRSS")
+    base = status("VmRSS")
     call(0)
     call(1)
     metrics = None
@@ -147,7 +131,7 @@ def worker(run, a):
         t = time.perf_counter()
         call(i)
         times.append(time.perf_counter() - t)
-    result = dict(times=times, peak=_status("VmHWM") - base)
+    result = dict(times=times, peak=status("VmHWM") - base)
     if metrics is not None:
         after = torchtpu.metrics()
         result["waits"] = after.get("blocking_waits", 0) - metrics.get("blocking_waits", 0) \
@@ -165,7 +149,7 @@ def main():
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--runs", default="tpu-compile,tpu-strict,tpu-loop,jax,torch")
+    ap.add_argument("--runs", default="jax,tpu-compile,tpu-strict,tpu-loop,torch")
     ap.add_argument("--worker")
     a = ap.parse_args()
     if a.worker:
@@ -175,16 +159,14 @@ def main():
     print(f"{'run':12s} {'seconds':>15s} {'/ JAX':>7s} {'peak MiB':>9s} {'waits':>6s} "
           f"{'compiles':>8s}")
     rows = {}
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", TORCHTPU_CACHE_DIR="")
     args = [f"--tokens={a.tokens}", f"--dim={a.dim}", f"--hidden={a.hidden}",
             f"--experts={a.experts}", f"--top-k={a.top_k}", f"--steps={a.steps}"]
     for run in a.runs.split(","):
-        done = subprocess.run([sys.executable, __file__, "--worker", run, *args], env=env,
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            print(f"{run:12s} failed: {(done.stderr.strip().splitlines() or ['?'])[-1][:100]}")
+        r = run_worker(__file__, [run, *args])
+        if "error" in r:
+            print(f"{run:12s} failed: {r['error']}")
             continue
-        rows[run] = r = json.loads(done.stdout.strip().splitlines()[-1])
+        rows[run] = r
         jax_t = min(rows["jax"]["times"]) if "jax" in rows else None
         vs = f"{min(r['times']) / jax_t:.2f}x" if jax_t else "-"
         print(f"{run:12s} {min(r['times']):7.3f}-{max(r['times']):7.3f} {vs:>7s} "

@@ -9,7 +9,7 @@ import torch
 
 import torchtpu
 from conftest import assert_same, counts
-from torchtpu.examples.moe import MoEModel
+from torchtpu.examples.moe import MoEModel, training_step
 
 
 def _waits_and_compiles():
@@ -152,14 +152,7 @@ def _train(model, device, steps, step_fn=None, mode=None):
     torch.manual_seed(1)
     batches = [(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))) for _ in range(steps)]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=device == "tpu")
-
-    def step(idx, tgt):
-        loss = model(idx, tgt)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
+    step = training_step(model, opt)
     run = step if step_fn is None else step_fn(step)
     losses, steady = [], None
     with torch.tpu.set_eager_mode(mode or torch.tpu.eager_mode):

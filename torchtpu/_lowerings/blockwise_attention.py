@@ -80,6 +80,15 @@ def dropout_keep(key, dropout_p, shape, starts, full):
     return (b1 ^ b2) >= jnp.uint32(threshold) if dropout_p < 1 else jnp.zeros(shape, bool)
 
 
+def _plan(dtype, lq, lk, blocks):
+    """(the half-precision input dtype or None, the dtype blocks compute in, the block sizes,
+    the lengths padded to whole blocks, the numbers of blocks)."""
+    half = dtype if dtype in (jnp.float16, jnp.bfloat16) else None
+    bq, bk = blocks or _block_sizes(lq, lk)
+    lqp, lkp = _round_up(lq, bq), _round_up(lk, bk)
+    return half, _accumulator(dtype), (bq, bk), (lqp, lkp), (lqp // bq, lkp // bk)
+
+
 def _accumulator(dtype):
     """The dtype blocks compute in: float32, float64 for float64 inputs."""
     return jnp.float64 if dtype == jnp.float64 else jnp.float32
@@ -120,12 +129,8 @@ def forward(q, k, v, bias, key, dropout_p, is_causal, scale, blocks=None):
     (query, key) block sizes, by default `_block_sizes`'."""
     n, hk, g, lq, d = q.shape
     lk, dv = k.shape[2], v.shape[-1]
+    half, ftype, (bq, bk), (lqp, lkp), (nq, nk) = _plan(q.dtype, lq, lk, blocks)
     scale = float(scale)
-    half = q.dtype if q.dtype in (jnp.float16, jnp.bfloat16) else None
-    ftype = _accumulator(q.dtype)
-    bq, bk = blocks or _block_sizes(lq, lk)
-    lqp, lkp = _round_up(lq, bq), _round_up(lk, bk)
-    nq, nk = lqp // bq, lkp // bk
     q, k, v = _pad_to(q, 3, lqp), _pad_to(k, 2, lkp), _pad_to(v, 2, lkp)
     if bias is not None:
         bias = _pad_to(_pad_to(bias, 3, lqp), 4, lkp)
@@ -184,12 +189,8 @@ def backward(grad, q, k, v, bias, key, dropout_p, is_causal, scale, out, lse, bi
     (broadcast) shape."""
     n, hk, g, lq, d = q.shape
     lk, dv_dim = k.shape[2], v.shape[-1]
+    half, ftype, (bq, bk), (lqp, lkp), (nq, nk) = _plan(q.dtype, lq, lk, blocks)
     scale = float(scale)
-    half = q.dtype if q.dtype in (jnp.float16, jnp.bfloat16) else None
-    ftype = _accumulator(q.dtype)
-    bq, bk = blocks or _block_sizes(lq, lk)
-    lqp, lkp = _round_up(lq, bq), _round_up(lk, bk)
-    nq, nk = lqp // bq, lkp // bk
     grad = grad.astype(ftype)
     # D_i = rowsum(dO * O): the softmax's backward term, dropout included
     delta = jnp.sum(grad * out.astype(ftype), axis=-1)

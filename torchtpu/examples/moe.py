@@ -96,3 +96,14 @@ class MoEModel(nn.Module):
         logits = self.head(self.norm_out(x + y))
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
         return loss + self.balance_coef * balance
+
+
+def training_step(model, optimizer):
+    """step(idx, targets): forward, backward, optimizer step; returns the loss (detached)."""
+    def step(idx, targets):
+        loss = model(idx, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+    return step
