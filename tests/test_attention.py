@@ -1,6 +1,8 @@
 """F.scaled_dot_product_attention's implementations on tpu (torchtpu::attention): each against
 the CPU's SDPA, values and gradients, with PyTorch's own tolerances (test_transformers.py's
 fused-vs-math CPU test); the choice of implementation, its metrics and its override."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -177,7 +179,7 @@ def test_attention_dropout_matches_the_cpu_given_its_mask(implementation):
                                              dropout_p=p, is_causal=True).cpu()
     keep = weights != 0
     assert 0 < keep.sum() < torch.ones(lq, lk).tril().sum() * 2
-    v = torch.randn(1, 2, lk, 8)
+    v = torch.randn(1, 2, lk, lk)  # (as wide as the identity: the same forward program)
     args = [x.clone().requires_grad_() for x in (q, k, v)]
     dev = [x.detach().to("tpu").requires_grad_() for x in args]
     torch.manual_seed(5)
@@ -225,12 +227,14 @@ def test_cudnn_path_layouts_with_jax_xla_standing_in(monkeypatch):
     v = jnp.asarray(rng.standard_normal((2, 2, 6, 16)), jnp.float32)
     bias = jnp.asarray(rng.standard_normal((1, 4, 6, 6)), jnp.float32)
     grad = jnp.asarray(rng.standard_normal((2, 4, 6, 16)), jnp.float32)
-    results = {}
-    for name in ("cudnn", "xla"):
+    def run(name, q, k, v, bias, grad):  # (one program: eager jax ops compile one by one)
         out, lse = attention.attention_forward(q, k, v, bias, None, 0.0, True, 0.3, name)
         grads = attention.attention_backward(grad, q, k, v, bias, None, out, lse, 0.0, True,
                                              0.3, name, True)
-        results[name] = (out, *grads)
+        return (out, *grads)
+
+    results = {name: jax.jit(run, static_argnums=0)(name, q, k, v, bias, grad)
+               for name in ("cudnn", "xla")}
     for got, want in zip(results["cudnn"], results["xla"]):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
@@ -338,23 +342,34 @@ def _flex_reference(q, k, v, score_mod, mask_mod):
     return s.softmax(-1) @ v
 
 
+@functools.cache
+def _flex_cases(B=2, H=2, L=128, D=16):
+    """Inputs and each pattern's block masks (PyTorch's create_block_mask traces each mask_mod
+    with Dynamo: made once for both tests)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+    cpu_patterns, tpu_patterns = _flex_patterns(L, "cpu"), _flex_patterns(L, "tpu")
+    cases = {}
+    for name, (score_mod, mask_mod) in cpu_patterns.items():
+        dev_score, dev_mask = tpu_patterns[name]
+        cases[name] = (score_mod, mask_mod, create_block_mask(mask_mod, B, H, L, L, device="cpu"),
+                       dev_score, create_block_mask(dev_mask, B, H, L, L, device="tpu"))
+    return (q, k, v), cases
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_flex_attention_patterns_match_the_cpu(compiled):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    B, H, L, D = 2, 2, 128, 16
-    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+    from torch.nn.attention.flex_attention import flex_attention
+    (q, k, v), cases = _flex_cases()
     run = torch.compile(flex_attention, backend="tpu") if compiled else flex_attention
-    cpu_patterns, tpu_patterns = _flex_patterns(L, "cpu"), _flex_patterns(L, "tpu")
-    for name, (score_mod, mask_mod) in cpu_patterns.items():
+    for name, (score_mod, mask_mod, cpu_mask, dev_score, dev_mask) in cases.items():
         args = [x.clone().requires_grad_() for x in (q, k, v)]
         want = _flex_reference(*args, score_mod, mask_mod)
-        # (the reference is the CPU's own FlexAttention's forward)
-        cpu_mask = create_block_mask(mask_mod, B, H, L, L, device="cpu")
-        torch.testing.assert_close(flex_attention(q, k, v, score_mod, cpu_mask), want.detach(),
-                                   atol=1e-5, rtol=5e-6)
-        dev_score, dev_mask = tpu_patterns[name]
+        if not compiled:  # (the reference is the CPU's own FlexAttention's forward)
+            torch.testing.assert_close(flex_attention(q, k, v, score_mod, cpu_mask),
+                                       want.detach(), atol=1e-5, rtol=5e-6)
         dev = [x.detach().to("tpu").requires_grad_() for x in (q, k, v)]
-        got = run(*dev, dev_score, create_block_mask(dev_mask, B, H, L, L, device="tpu"))
+        got = run(*dev, dev_score, dev_mask)
         assert_same(got, want.detach(), atol=1e-5, rtol=5e-6)
         grad = torch.randn_like(want)
         want.backward(grad)
