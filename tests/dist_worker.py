@@ -671,6 +671,78 @@ def scenario_tensor_before_init():
         raise AssertionError("init_process_group joined with a tensor on the old runtime")
 
 
+# --- expert parallelism: tokens to their experts' ranks and back (all_to_all_single) ---------
+def scenario_expert_parallel():
+    """A top-2 MoE layer whose 4 experts are split over the ranks of a DeviceMesh: each rank
+    routes its own tokens, sends each (token, choice) to the rank holding its expert and gets
+    the results back (all_to_all_single with split sizes, differentiable), and runs its local
+    experts as one torch._grouped_mm. Outputs and gradients equal the whole layer's on the
+    CPU."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("tpu")
+    r, n = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("tpu", (n,), mesh_dim_names=("ep",))
+    experts, top_k, dim, hidden = 4, 2, 8, 16
+    local = experts // n
+    g = torch.Generator().manual_seed(0)  # the same weights on every rank
+    router = torch.randn(experts, dim, generator=g)
+    w_in = torch.randn(experts, dim, hidden, generator=g) / dim ** 0.5
+    w_out = torch.randn(experts, hidden, dim, generator=g) / hidden ** 0.5
+    x = torch.randn(6, dim, generator=torch.Generator().manual_seed(10 + r))
+
+    def route(x, router):
+        scores, chosen = torch.topk((x @ router.T).softmax(-1), top_k, dim=-1)
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.histc(flat.float(), bins=experts, min=0, max=experts).long()
+        return scores.reshape(-1)[order], order, counts
+
+    def whole_layer(x, w_in, w_out):  # every expert here: the reference
+        scores, order, counts = route(x, router)
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        h = torch.relu(torch._grouped_mm(x[order // top_k], w_in, offs=offs))
+        y = torch._grouped_mm(h, w_out, offs=offs) * scores[:, None]
+        return torch.zeros_like(x).index_add(0, order // top_k, y)
+
+    def expert_parallel(x, w_in_local, w_out_local):
+        scores, order, counts = route(x, router.to(x.device))
+        # how many of my slots go to each expert, and how many each rank sends mine
+        received = funcol.all_to_all_single(counts, None, None, mesh).wait()
+        counts_to = counts.reshape(n, local).sum(1).tolist()
+        counts_from = received.reshape(n, local)  # [source rank, local expert]
+        tokens = funcol.all_to_all_single_autograd(
+            x[order // top_k], counts_from.sum(1).tolist(), counts_to, mesh)
+        # received in (source rank, expert) order: regroup by local expert
+        by_expert = torch.argsort(torch.repeat_interleave(
+            torch.arange(local, device=x.device).repeat(n), counts_from.reshape(-1)),
+            stable=True)
+        offs = torch.cumsum(counts_from.sum(0), 0).to(torch.int32)
+        h = torch.relu(torch._grouped_mm(tokens[by_expert], w_in_local, offs=offs))
+        y = torch._grouped_mm(h, w_out_local, offs=offs)
+        y = torch.empty_like(y).index_copy(0, by_expert, y)  # back to the order received
+        y = funcol.all_to_all_single_autograd(y, counts_to, counts_from.sum(1).tolist(), mesh)
+        return torch.zeros_like(x).index_add(0, order // top_k, y * scores[:, None])
+
+    mine = slice(r * local, (r + 1) * local)
+    want_in, want_out = w_in.clone().requires_grad_(), w_out.clone().requires_grad_()
+    want = whole_layer(x, want_in, want_out)
+    grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(20 + r))
+    want.backward(grad)
+    expert_grads = torch.cat([want_in.grad.reshape(-1), want_out.grad.reshape(-1)])
+    dist.all_reduce(expert_grads)  # (CPU tensors: the group's gloo side) every rank's tokens
+    want_in_grad, want_out_grad = expert_grads.split([w_in.numel(), w_out.numel()])
+    got_in = w_in[mine].to("tpu").requires_grad_()
+    got_out = w_out[mine].to("tpu").requires_grad_()
+    got = expert_parallel(x.to("tpu"), got_in, got_out)
+    close(got, want.detach(), atol=1e-5, rtol=1e-5)
+    got.backward(grad.to("tpu"))
+    close(got_in.grad, want_in_grad.reshape(w_in.shape)[mine], atol=1e-5, rtol=1e-5)
+    close(got_out.grad, want_out_grad.reshape(w_out.shape)[mine], atol=1e-5, rtol=1e-5)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     name = sys.argv[1]
     if os.environ.get("TORCHTPU_TEST_SET_DEVICE"):  # one process per device of a shared host

@@ -218,3 +218,8 @@ def test_bad_collective_arguments_raise_and_leave_tensors_intact(one_rank_group)
     c = torch.ones(3)
     dist.all_reduce(c)
     assert torch.equal(c, torch.ones(3))
+
+
+# --- expert parallelism (issue 35) -----------------------------------------------------------
+def test_expert_parallel_moe_layer_matches_the_whole_layer():
+    assert_passed(launch("expert_parallel", 2), "expert_parallel")

@@ -4,7 +4,7 @@ import io
 import pytest
 import torch
 
-from conftest import assert_same
+from conftest import assert_same, counts
 
 
 def both(fn, *tensors):
@@ -427,3 +427,15 @@ def test_appends_of_the_last_token_reuse_their_executables():
         assert d[0, -1].item() == 12 + step
     assert torch.equal(d.cpu(), torch.arange(52).view(1, 52))
     assert sum(metrics.build_counts.values()) - before == 0
+
+
+def test_arange_bounds_keep_their_types_and_need_no_wait():
+    # (static arguments 6 and 6.0 were one executable's key: arange(0, 6.0) came back int64
+    # after an arange(0, 6); arange(end) went through a resized out= and waited for the device)
+    torch.tpu.synchronize()
+    before = counts("blocking_waits")[0]
+    got = [torch.arange(*args, device="tpu") for args in
+           ((0, 6, 1), (0, 6.0, 1), (6,), (6.0,), (True,), (2, 5), (2, 5.5))]
+    assert counts("blocking_waits")[0] == before
+    for g, args in zip(got, ((0, 6, 1), (0, 6.0, 1), (6,), (6.0,), (True,), (2, 5), (2, 5.5))):
+        assert_same(g, torch.arange(*args))

@@ -154,6 +154,7 @@ def report():
             lines.append(f"  {name:48s} {n:>10,}")
             lines.extend(f"      {s[:160]}" for s in signatures)
     for title, prefix in (("Flush reasons", "flush::"), ("CPU fallbacks by op", "cpu_fallback::"),
+                          ("Attention implementations (docs/kernels.md)", "attention::"),
                           ("Ops by name", "op::")):
         items = sorted(((k[len(prefix):], v) for k, v in c.items() if k.startswith(prefix)),
                        key=lambda kv: (-kv[1], kv[0]))

@@ -132,11 +132,11 @@ def broadcast(x, src, group_name):
 def _check_even_splits(x, output_split_sizes, input_split_sizes, group_name):
     n = _size(group_name)
     rows = x.shape[0] if x.dim() else 0
-    for splits in (output_split_sizes, input_split_sizes):
-        if splits and len(set(splits)) > 1:
-            raise NotImplementedError(
-                "_c10d_functional.all_to_all_single with uneven split sizes on tpu: use "
-                "dist.all_to_all_single, which exchanges the sizes first")
+    if not _even(output_split_sizes, input_split_sizes):
+        raise NotImplementedError(
+            "_c10d_functional.all_to_all_single with uneven split sizes in a compiled graph on "
+            "tpu: call it outside the graph (eagerly it exchanges the sizes first, as "
+            "dist.all_to_all_single does)")
     if rows % n:
         raise RuntimeError(f"all_to_all_single: dim 0 of size {rows} is not divisible by the "
                            f"group size {n}")
@@ -147,6 +147,25 @@ def all_to_all_single(x, output_split_sizes, input_split_sizes, group_name):
     if skipping():
         return jnp.zeros_like(x)
     return x if _size(group_name) == 1 else lax.all_to_all(x, AXIS, 0, 0, tiled=True)
+
+
+def _even(*split_lists):
+    return all(not splits or len(set(splits)) == 1 for splits in split_lists)
+
+
+def _all_to_all_single_kernel(table_kernel):
+    """The eager kernel: even splits are the table's op; uneven ones (expert parallelism's
+    tokens per rank, through funcol.all_to_all_single(_autograd)) take the group's exchange,
+    which reads every rank's splits on the host and pads the chunks to the largest (the
+    sizes decide the program's shapes)."""
+    def run(x, output_split_sizes, input_split_sizes, group_name):
+        if output_split_sizes is None or _even(output_split_sizes, input_split_sizes):
+            return table_kernel(x, output_split_sizes, input_split_sizes, group_name)
+        out = x.new_empty((sum(output_split_sizes), *x.shape[1:]))
+        _group(group_name).all_to_all_single(out, x, list(output_split_sizes),
+                                             list(input_split_sizes or ()), None)
+        return out
+    return run
 
 
 def install(group_named):
@@ -161,5 +180,8 @@ def install(group_named):
     _library = torch.library.Library("_c10d_functional", "IMPL")
     for overload in list(TABLE):
         if overload.namespace == "_c10d_functional":
-            _library.impl(overload, kernel_for(overload), "PrivateUse1")
+            kernel = kernel_for(overload)
+            if overload.name() == "_c10d_functional::all_to_all_single":
+                kernel = _all_to_all_single_kernel(kernel)
+            _library.impl(overload, kernel, "PrivateUse1")
     _library.impl("wait_tensor", lambda t: t, "PrivateUse1")

@@ -2,15 +2,18 @@
 lowering table's pure functions cannot express: in-place running statistics, PyTorch's choice
 of factoring a transpose, an output filled in place *and* returned."""
 import math
+import os
 import warnings
 
 import torch
 import torch.nn.functional as F
 
+from .._core import metrics, runtime
 from .._core.dtypes import to_torch_dtype
-from .._lowerings.meta import dtype_name
+from .._lowerings import attention
 from .._lowerings.batch_norm import _stats_dtype
 from .._lowerings.factories import _check_arange
+from .._lowerings.meta import _c10_name, dtype_name
 from . import fused, growing
 from .overlap import _INTERNAL, _internal_overlap
 from .kernels import kernel_for
@@ -119,6 +122,19 @@ def _arange_out(start, end, step=1, *, out):
     if out.numel() != n or out.dim() == 1:
         return kernel(start, end, step, out=out)
     return out.copy_(kernel(start, end, step, out=out.new_empty(n)).view(out.shape))
+
+
+# torch.arange(end) and arange(start, end) reach arange.start_out with a new, empty out= (their
+# CompositeExplicitAutograd kernels); the functional overload instead: no out= to size, and the
+# same op (and executable key) as arange(start, end, step).
+def _arange(end, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return kernel_for(aten.arange.start_step)(0, end, 1, dtype=dtype, layout=layout,
+                                              device=device, pin_memory=pin_memory)
+
+
+def _arange_start(start, end, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return kernel_for(aten.arange.start_step)(start, end, 1, dtype=dtype, layout=layout,
+                                              device=device, pin_memory=pin_memory)
 
 
 # --- eye, linspace, logspace and nonzero (out=) ------------------------------------------
@@ -273,12 +289,13 @@ def _where_out(condition, x, y, *, out):
 
 # PyTorch picks an attention kernel per device through a C++ dispatch stub that a Python backend
 # cannot fill, so on tpu F.scaled_dot_product_attention would always decompose into its math
-# kernel (seven ops).  This kernel, installed for the op's autograd key as well, takes the fused
-# op PyTorch provides for other devices instead (one program; its backward has PyTorch's own
-# autograd formula), unless the call is one the fused lowering does not cover or the user has
-# turned that backend off (torch.nn.attention.sdpa_kernel): then the op's own composite runs.
-def _fused_attention_covers(q, k, v, mask, dropout_p, enable_gqa):
-    if dropout_p != 0.0 or not torch._C._get_overrideable_sdp_enabled():
+# kernel (seven ops, the whole score matrix in memory).  This kernel, installed for the op's
+# autograd key as well, runs `torchtpu::attention` instead (one program, its backward one
+# more) in the implementation `_implementation` picks, unless the call is one that op does not
+# cover or the user has turned PyTorch's fused backends off (torch.nn.attention.sdpa_kernel
+# without SDPBackend.OVERRIDEABLE): then the op's own composite runs.
+def _fused_attention_covers(q, k, v, mask, enable_gqa):
+    if not torch._C._get_overrideable_sdp_enabled():
         return False
     if not (q.dim() == k.dim() == v.dim() and q.dim() in (3, 4)):
         return False
@@ -304,27 +321,131 @@ def _fused_attention_covers(q, k, v, mask, dropout_p, enable_gqa):
     return True
 
 
+def attention_setting():
+    """The implementation the user asked for: `torch.tpu.attention_implementation`, else the
+    environment's TORCHTPU_ATTENTION; None (or "auto") lets each call choose."""
+    name = getattr(torch.tpu, "attention_implementation", None)
+    if name is None:
+        name = os.environ.get("TORCHTPU_ATTENTION") or None
+    return None if name == "auto" else name
+
+
+def _implementation(q, k, v, mask, dropout_p, is_causal):
+    """The attention implementation of this call (counted as `attention::<name>`)."""
+    shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape), _dtype_name(q.dtype),
+              None if mask is None else _dtype_name(mask.dtype), dropout_p, is_causal)
+    platform = runtime.platform()
+    asked = attention_setting()
+    if asked is None:
+        name = attention.choose(platform, *shapes)
+    else:
+        why = attention.unsupported(asked, platform, *shapes)
+        if why is not None:
+            raise RuntimeError(f"scaled_dot_product_attention: the attention implementation "
+                               f"{asked!r} (torch.tpu.attention_implementation or "
+                               f"TORCHTPU_ATTENTION) does not take this call: {why}")
+        name = asked
+    metrics.counters[f"attention::{name}"] += 1
+    return name
+
+
+def _dtype_name(dtype):
+    return str(dtype).removeprefix("torch.")
+
+
 def _scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *,
                                   scale=None, enable_gqa=False):
-    if _fused_attention_covers(q, k, v, attn_mask, dropout_p, enable_gqa):
-        grown = growing.attention(q, k, v, attn_mask, is_causal, scale)
-        if grown is not None:
-            return grown
-        if q.dim() == 3:  # (the fused op's meta kernel fails on a 3-d query when the values'
-            # width is not the keys')
-            return aten._scaled_dot_product_fused_attention_overrideable(
-                q[None], k[None], v[None], attn_mask, dropout_p, is_causal, scale=scale)[0][0]
-        return aten._scaled_dot_product_fused_attention_overrideable(
-            q, k, v, attn_mask, dropout_p, is_causal, scale=scale)[0]
+    if _fused_attention_covers(q, k, v, attn_mask, enable_gqa):
+        if not dropout_p:
+            grown = growing.attention(q, k, v, attn_mask, is_causal, scale)
+            if grown is not None:
+                metrics.counters["attention::xla"] += 1
+                return grown
+        name = _implementation(q, k, v, attn_mask, dropout_p, is_causal)
+        seed = None
+        if dropout_p:  # (drawn from the device's generator: a random op of its own)
+            seed = torch.empty((), dtype=torch.int64, device=q.device).random_(1 << 62)
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        return torch.ops.torchtpu.attention(q, k, v, attn_mask, seed, float(dropout_p),
+                                            bool(is_causal), scale, name)[0]
     return aten.scaled_dot_product_attention.default.decompose(
         q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
+# --- repeat_interleave with its output size given ---------------------------------------------
+
+# The output's length is given: torchtpu::repeat_interleave_sized, without a wait for the
+# repeats' values (the table's repeat_interleave reads them to size its output).
+def _repeat_interleave(repeats, *, output_size=None):
+    if output_size is None or repeats.dim() != 1:
+        return kernel_for(aten.repeat_interleave.Tensor)(repeats, output_size=output_size)
+    return torch.ops.torchtpu.repeat_interleave_sized(repeats, output_size)
+
+
+# --- torch._grouped_mm ----------------------------------------------------------------------
+
+# torchtpu::grouped_mm (ragged_dot over group sizes on the device) after the CPU kernel's checks;
+# installed for the autograd key too, so its gradient is the jax.vjp of that program rather
+# than PyTorch's formula (three more _grouped_mm calls in other layouts), and so that tracing
+# (Dynamo, AOTAutograd) records it instead of asking PyTorch's meta kernel, which refuses
+# float32 (it mirrors CUDA's kernel).
+def _check_grouped_mm(a, b, offs, bias, out_dtype):
+    for name, t in (("mat_a", a), ("mat_b", b)):
+        if t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise RuntimeError(f"Expected {name} to be Float32, BFloat16 or Float16 matrix, got "
+                               f"{dtype_name(t.dtype)}")
+    if a.dtype != b.dtype:
+        raise RuntimeError(f"expected m1 and m2 to have the same dtype, but got: "
+                           f"{_c10_name(a.dtype)} != {_c10_name(b.dtype)}")
+    if a.dim() not in (2, 3) or b.dim() not in (2, 3):
+        raise RuntimeError(f"Multiplicands must be 2D or 3D but got mat_a.dim()={a.dim()} and "
+                           f"mat_b.dim()={b.dim()}")
+    if (offs is not None) == (a.dim() == 3 and b.dim() == 3):
+        raise RuntimeError("Have to provide offsets if there is a 2d matrix, or no offset if "
+                           "both matrices are 3d")
+    if offs is not None and (offs.dim() != 1 or offs.dtype != torch.int32):
+        raise RuntimeError("Offsets have to be int32")
+    if bias is not None:
+        raise RuntimeError("Bias not supported yet")
+    if out_dtype is not None and out_dtype != a.dtype:
+        raise RuntimeError("Grouped gemm output dtype must match `mat_a` dtype")
+    if a.shape[-1] != b.shape[-2]:
+        raise RuntimeError("contraction dimension of mat_a and mat_b must match")
+    if a.dim() == 3 and b.dim() == 3 and a.shape[0] != b.shape[0]:
+        raise RuntimeError("batched dimension has to match")
+    for t in (a, b):
+        _check_grouped_mm_strides(t)
+
+
+def _check_grouped_mm_strides(t):
+    """The CPU kernel's layout contract: one of the two inner dims contiguous, the other's
+    stride a multiple of 16 bytes."""
+    rows, cols = t.shape[-2:]
+    row_stride, col_stride = t.stride()[-2:]
+    step = 16 // t.element_size()
+    if col_stride == 1 and row_stride >= max(1, cols):
+        aligned = row_stride % step == 0
+    elif row_stride == 1 and col_stride >= max(1, rows):
+        aligned = col_stride % step == 0
+    else:
+        raise RuntimeError(f"Invalid strides/sizes, got {list(t.stride())} for strides and "
+                           f"{list(t.shape)} for sizes")
+    if not aligned:
+        raise RuntimeError("strides should be multiple of 16 bytes")
+
+
+def _grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
+    _check_grouped_mm(a, b, offs, bias, out_dtype)
+    return torch.ops.torchtpu.grouped_mm(a, b, offs)
+
+
 def autograd_kernels():
-    """Kernels of CompositeImplicitAutograd ops this module replaces on tpu: installed for both
-    PrivateUse1 and AutogradPrivateUse1 (a backend kernel alone would leave the op without its
-    autograd formula; they call ops that have one)."""
-    return {aten.scaled_dot_product_attention.default: _scaled_dot_product_attention}
+    """Kernels of ops this module replaces on tpu together with their gradient: installed for
+    both PrivateUse1 and AutogradPrivateUse1 (a backend kernel alone of a
+    CompositeImplicitAutograd op would leave it without an autograd formula); they call ops that
+    have one."""
+    return {aten.scaled_dot_product_attention.default: _scaled_dot_product_attention,
+            aten._grouped_mm.default: _grouped_mm}
 
 
 def kernels():
@@ -345,7 +466,10 @@ def kernels():
             aten.nonzero.out: _nonzero_out,
             aten.range.out: _range_out,
             aten._transformer_encoder_layer_fwd.default: _transformer_encoder_layer_fwd,
+            aten.arange.default: _arange,
+            aten.arange.start: _arange_start,
             aten.zero_.default: _zero_,
             aten.huber_loss.default: _huber_loss,
             aten.where.self: _where,
-            aten.where.self_out: _where_out}
+            aten.where.self_out: _where_out,
+            aten.repeat_interleave.Tensor: _repeat_interleave}

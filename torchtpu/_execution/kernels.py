@@ -20,13 +20,21 @@ def _is_composite_implicit(overload):
     return torch._C._dispatch_has_kernel_for_dispatch_key(overload.name(), "CompositeImplicitAutograd")
 
 
+# IMPL libraries of the table's ops outside `lib`'s namespace (torchtpu::attention), kept alive
+_libraries = {}
+
+
 def register_table(lib, skip=()):
     for overload in registry.TABLE:
         # A backend kernel for a CompositeImplicitAutograd op would bypass the autograd formula
         # of what it decomposes into (no grad_fn), so those always decompose.
         if overload in skip or _is_composite_implicit(overload):
             continue
-        lib.impl(overload, kernel_for(overload), "PrivateUse1")
+        ns = overload.namespace
+        if ns != lib.ns and ns not in _libraries:
+            _libraries[ns] = torch.library.Library(ns, "IMPL")
+        (lib if ns == lib.ns else _libraries[ns]).impl(overload, kernel_for(overload),
+                                                        "PrivateUse1")
 
 
 def clear_caches():

@@ -75,8 +75,13 @@ def _one_value(compiled):
 
 
 def _hashable(v):
+    """A static argument as part of an executable's key. A number keeps its type: 6 and 6.0 (and
+    True and 1) are equal keys to Python, but not to PyTorch (torch.arange(0, 6.0) is float32,
+    torch.arange(0, 6) int64: the second was given the first's executable)."""
     if isinstance(v, list):
         return tuple(_hashable(x) for x in v)
+    if isinstance(v, (bool, int, float)):
+        return type(v), v
     return v
 
 

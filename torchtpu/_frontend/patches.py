@@ -99,6 +99,19 @@ def _defer_dynamo_disable_until_imported():
         _defer_dynamo_disable()
 
 
+def _flex_attention_device():
+    from torch.nn.attention import flex_attention  # (7 ms; it imports no Dynamo)
+    _replace(flex_attention, "_validate_device",
+             _flex_attention_on_tpu(flex_attention._validate_device))
+
+
+def _flex_attention_on_tpu(original):
+    def _validate_device(query, key, value):
+        if query.device.type != "tpu":
+            original(query, key, value)
+    return _validate_device
+
+
 _SET_DEVICE = ("PyTorch's device guard for Python backends always answers device 0, so "
                "torch.tpu.set_device(local_rank) (torchrun's layout) would be ignored")
 _DYNAMO = "the first compilation for tpu (imports Dynamo), by _compile/backend.skip_own_frames()"
@@ -172,6 +185,12 @@ PATCHES = [
           "`_use_grad`), and stock PyTorch pays that import when the optimizer is made "
           "(`add_param_group`), not inside the first training step",
           _defer_dynamo_disable_until_imported),
+    Patch(("torch.nn.attention.flex_attention._validate_device",),
+          "FlexAttention refuses devices outside its list (cuda, cpu, xpu, hpu, mps: \"only "
+          "supported on CUDA, CPU, HPU, or MPS devices\"); on tpu its eager path and compiled "
+          "graphs run the flex_attention operator's own dense implementation in tpu ops, "
+          "forward and backward (the CPU's refusal of a backward stays the CPU's)",
+          _flex_attention_device),
     Patch(_OPTIMIZER_HOOKS[1:], "fused eager runs its trace when optimizer.step() returns",
           fused.install),
     Patch(_OPTIMIZER_HOOKS[:1],

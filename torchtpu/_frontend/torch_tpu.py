@@ -248,6 +248,13 @@ jax_precision = runtime.jax_precision
 
 enable_cpu_fallback = False
 
+# --- attention ------------------------------------------------------------------------------
+
+# The implementation F.scaled_dot_product_attention runs: None (or "auto") lets each call
+# choose; "xla", "blockwise", "pallas_flash" or "cudnn" asks for one, and a call it cannot take
+# raises.  None defers to the environment's TORCHTPU_ATTENTION.  See docs/kernels.md.
+attention_implementation = None
+
 
 # --- streams and events ---------------------------------------------------------------------
 

@@ -525,6 +525,53 @@ def repeat_interleave(repeats, output_size=None):
                       total_repeat_length=total)
 
 
+# repeat_interleave with its output size given needs no value on the host: a program of its
+# own (what `aten::repeat_interleave.Tensor` runs then, _execution/composite.py), whose checks of
+# the repeats are read at the next wait.
+_lib = torch.library.Library("torchtpu", "FRAGMENT")
+_lib.define("repeat_interleave_sized(Tensor repeats, SymInt output_size) -> Tensor")
+
+
+@torch.library.register_fake("torchtpu::repeat_interleave_sized")
+def _repeat_interleave_sized_shape(repeats, output_size):
+    return repeats.new_empty((output_size,))
+
+
+@lowering("torchtpu::repeat_interleave_sized")
+def repeat_interleave_sized(repeats, output_size):
+    check(jnp.all(repeats >= 0), "repeats can not be negative", RuntimeError)
+    check(jnp.sum(repeats) == output_size, "allocated size does not match required size",
+          RuntimeError)
+    return jnp.repeat(jnp.arange(repeats.size, dtype=repeats.dtype), repeats,
+                      total_repeat_length=output_size)
+
+
+def _check_bincount(x, weights=None, minlength=0):
+    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise NotImplementedError(f'"bincount_cpu" not implemented for \'{dtype_name(x.dtype)}\'')
+    if x.dim() != 1:
+        raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
+    if minlength < 0:
+        raise RuntimeError("minlength should be >= 0")
+    if weights is not None and (weights.dim() != 1 or weights.shape[0] != x.shape[0]):
+        raise RuntimeError("weights should be 1-d and have the same length as input")
+
+
+# Its length is max(minlength, the largest value + 1): a value on the host, as on CUDA (which
+# synchronises too). A routing with a fixed number of bins stays on the device through
+# histc(bins=E, min=0, max=E) or scatter_add_.
+@lowering("aten::bincount.default", eager=True, validate=_check_bincount)
+def bincount(x, weights=None, minlength=0):
+    low, high = (int(v) for v in jnp.stack([jnp.min(x), jnp.max(x)])) if x.size else (0, -1)
+    if low < 0:
+        raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
+    length = max(minlength, high + 1)
+    if weights is None:
+        return jnp.zeros(length, jnp.int64).at[x].add(1)
+    dtype = weights.dtype if weights.dtype in (jnp.float32, jnp.float64) else jnp.float64
+    return jnp.zeros(length, dtype).at[x].add(weights.astype(dtype))
+
+
 _NONE = np.zeros((0,), np.int64)
 
 
