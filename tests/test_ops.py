@@ -139,7 +139,7 @@ def test_foreach_ops():
 
 def test_foreach_over_many_tensors_sharing_storages():
     # A foreach op over hundreds of tensors, many of them views of one storage and one of them
-    # listed twice: each storage is found among the call's (op_kernel.Buffers) in one lookup,
+    # listed twice: each storage is found among the call's (op_keys.Buffers) in one lookup,
     # and the shared ones must still resolve to the same input.
     base, other_base = torch.randn(400), torch.randn(400)
     xs = [torch.randn(3) for _ in range(300)] + list(base.view(100, 4).unbind(0))

@@ -13,7 +13,7 @@ import warnings
 import torch
 
 from .._core import storage
-from .._execution import bounded, fused, op_kernel, sync
+from .._execution import bounded, fused, op_keys, sync
 from .._core import metrics
 from .._core import registry
 
@@ -51,17 +51,17 @@ def _buffer(t):
 
 def arguments_key(args):
     """Everything a capture depends on, for a call's arguments: each tensor's layout as an
-    op's executable sees it (op_kernel.layout_key: which inputs share storage included), its
+    op's executable sees it (op_keys.layout_key: which inputs share storage included), its
     storage's size and device; other arguments by type and value."""
     key = []
-    buffers = op_kernel.Buffers()
+    buffers = op_keys.Buffers()
     for a in args:
         if isinstance(a, torch.Tensor):
             buf = _buffer(a)
             if buf is None:
                 key.append(("host", a.dtype, tuple(a.shape)))
                 continue
-            key.append((*op_kernel.layout_key(a, buf, buffers), buf.nbytes, buf.index))
+            key.append((*op_keys.layout_key(a, buf, buffers), buf.nbytes, buf.index))
         else:
             key.append((type(a), a))
     return tuple(key), buffers

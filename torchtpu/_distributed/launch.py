@@ -34,8 +34,8 @@ def _coordinator_host():
 
 def _shut_down_runtime():
     from .._core import runtime
-    from .._execution import fused, kernels, op_kernel
-    op_kernel._scalar_cache.clear()  # device copies of Python scalars, not tensors
+    from .._execution import fused, kernels, op_keys
+    op_keys.clear_scalars()  # device copies of Python scalars, not tensors
     if jax.live_arrays():
         raise RuntimeError(
             "init_process_group('tpu') with world_size > 1 must run before this process "

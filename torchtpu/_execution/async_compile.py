@@ -29,6 +29,7 @@ import jax
 from .._core import metrics, runtime, storage
 from .._core.storage import Failed, Pending
 from . import debug, sync
+from .op_results import defer_checks, finish, returns
 
 
 def _workers_from_environment():
@@ -59,7 +60,7 @@ class _Op:
 
     def __init__(self, kernel, compiled, executable, inputs, scalars, outs, writes, where):
         self.kernel = kernel
-        self.compiled = compiled      # the op kernel's _Compiled
+        self.compiled = compiled      # the op's op_programs.Compiled
         self.executable = executable  # a jax Compiled, or a Future of one
         self.inputs = inputs          # per buffer: an array, or a Pending of an op before it
         self.scalars = scalars
@@ -129,7 +130,7 @@ def run(kernel, compiled, vals, buffers, scalars, device):
     if tried:
         arrays = [b.value() for b in buffers]
         try:
-            return kernel.finish(compiled, vals, fn.last(*arrays, *scalars), buffers, device)
+            return finish(kernel, compiled, vals, fn.last(*arrays, *scalars), buffers, device)
         except (TypeError, ValueError):
             if fn.fits_last((*arrays, *scalars)):
                 raise  # it ran, and failed
@@ -151,21 +152,21 @@ def run(kernel, compiled, vals, buffers, scalars, device):
             last = fn.last
             if last is not None:
                 try:
-                    return kernel.finish(compiled, vals, last(*args), buffers, device)
+                    return finish(kernel, compiled, vals, last(*args), buffers, device)
                 except (TypeError, ValueError):
                     pass  # another signature (see Executable.__call__)
         if not all(type(a.sharding) is _Single for a in inputs if type(a) is not Pending):
             # Sharded arrays: the values to come could not be described; run in order now.
             drain()
-            return kernel.finish(compiled, vals, fn(*[b.value() for b in buffers], *scalars),
-                                 buffers, device)
+            return finish(kernel, compiled, vals, fn(*[b.value() for b in buffers], *scalars),
+                          buffers, device)
         if waiting:
             described = [abstract(a, b) if type(a) is Pending else a for a, b in zip(inputs, buffers)]
             executable = fn.start(described + list(scalars), _get_pool())
         else:
             executable = fn.start(args, _get_pool())
             if not isinstance(executable, concurrent.futures.Future):
-                return kernel.finish(compiled, vals, executable(*args), buffers, device)
+                return finish(kernel, compiled, vals, executable(*args), buffers, device)
         return _enqueue(kernel, compiled, executable, vals, buffers, inputs, scalars, device)
 
 
@@ -216,7 +217,7 @@ def _enqueue(kernel, compiled, executable, vals, buffers, inputs, scalars, devic
     metrics.counters["ops_queued_for_compile"] += 1
     if len(_queue.ops) >= max_ops:
         drain()
-    return kernel._returns(compiled, vals, new)
+    return returns(compiled, vals, new)
 
 
 def drain():
@@ -256,7 +257,7 @@ def drain():
             ops.popleft()
             _release(op)
             if checks:
-                op.kernel._defer_checks(op.compiled, checks, op.where)
+                defer_checks(op.kernel, op.compiled, checks, op.where)
             if outs or updated:
                 sync.track(outs[0] if outs else updated[0])
         _queue.values.clear()

@@ -1,7 +1,7 @@
 """Executables that a later process loads instead of building: no trace, no lowering, no XLA.
 
 Every path compiles through `Executable`, a `jax.jit` that keeps one executable per argument
-signature: strict eager's per-op executables (`op_kernel`), fused segments and compiled graphs
+signature: strict eager's per-op executables (`op_programs`), fused segments and compiled graphs
 (`fused.Segment`).  On a miss in memory it looks in the persistent store (`_core/cache_store.py`,
 installed by `_compile/cache.enable()`) under a key made of
   - what the caller keys the program on in memory (an op: its overload, static arguments and
@@ -386,7 +386,7 @@ def zeros(n, dtype, index):
 @functools.lru_cache(maxsize=32)
 def scalar(kind, index):
     """The executable putting a Python number (`kind`: int or float) on a device as the weakly
-    typed 0-d array a jitted function makes of it (op_kernel._device_scalar).  jnp.asarray
+    typed 0-d array a jitted function makes of it (op_keys.device_scalar).  jnp.asarray
     compiles a conversion program per dtype in every process (50-80 ms of a restart, which
     otherwise loads everything); this one is loaded from the store."""
     return Executable(lambda v: v, stable(("scalar", kind.__name__, index)), "scalar",

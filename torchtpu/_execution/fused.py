@@ -30,6 +30,7 @@ import torch
 from .._core import storage
 from .._core.storage import Failed, Pending
 from . import async_compile, bounded, debug, executables, modes, spmd, sync
+from .op_results import returns
 from .._core import metrics
 from .._core.metrics import FlushReason
 from .random import next_key_parts
@@ -202,7 +203,7 @@ def _record(kernel, compiled, vals, buffers, scalars, device):
         p.owner = weakref.ref(b)
         pendings.append(p)
         b._array = p
-    result = kernel._returns(compiled, vals, new)
+    result = returns(compiled, vals, new)
     if len(tr.signature) >= max_ops and not tr.captured:
         flush(FlushReason.MAX_OPS)
     return result

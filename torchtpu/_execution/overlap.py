@@ -5,7 +5,7 @@ would quietly give an answer where PyTorch raises. The rules are ATen's (MemoryO
 elementwise ops refuse an output that maps several elements to one address, and one that
 partly overlaps an input; ops that gather (cat, index_select, take...) refuse any overlap.
 They depend only on layouts and which storages are shared, so they run when an op's
-executable is built; a nonzero offset is not part of the key (op_kernel: it is an argument), so
+executable is built; a nonzero offset is not part of the key (op_keys: it is an argument), so
 an executable whose written storage another of its arguments shares checks again at each call."""
 import torch
 

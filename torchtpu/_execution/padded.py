@@ -31,7 +31,7 @@ from .._core import registry, storage
 from .._core.dtypes import to_jax_dtype
 from . import async_compile, debug, executables, fused, modes, sync
 from .kernels import kernel_for
-from .op_kernel import _Compiled
+from .op_programs import Compiled
 
 aten = torch.ops.aten
 _FUSED = modes.EagerMode.DEFER_AND_FUSE
@@ -122,7 +122,7 @@ def elementwise(kernel, args, kwargs):
         return None
     n, size = found
     pos, kw = _padded_args(args, kwargs)
-    out = kernel._call(pos, kw, mode=mode)
+    out = kernel.call(pos, kw, mode=mode)
     if isinstance(out, torch.Tensor):
         return _shrunk(out, n) if out.shape == (size,) else out
     return type(out)(_shrunk(o, n) if isinstance(o, torch.Tensor) and o.shape == (size,) else o
@@ -173,7 +173,7 @@ def reduction(name):
         if fill is None:
             return None
         masked = _masked_program(array.size, jnp.dtype(array.dtype).name, fill)(array, t.numel())
-        return kernel._call([_view(t, masked), *args[1:]], kwargs, mode=mode)
+        return kernel.call([_view(t, masked), *args[1:]], kwargs, mode=mode)
     return reduce
 
 
@@ -190,7 +190,7 @@ def _one_value(t):
 def _index_check(key):
     """What debug.failed_check reads of an op's executable (its key and its checks' errors),
     for the bounds check of _index_put_program."""
-    compiled = _Compiled()
+    compiled = Compiled()
     compiled.key = key
     compiled.check_info = [(IndexError, "index out of range in self")]
     return compiled
@@ -285,7 +285,7 @@ def copy(dst, src):
             and not dst.is_conj() and not dst.is_neg()):
         return False
     target = storage.wrap(None, [array.size], [1], dst.dtype, dst.device.index)
-    kernel_for(aten.copy_.default)._call([target, _view(src, array)], {}, mode=mode)
+    kernel_for(aten.copy_.default).call([target, _view(src, array)], {}, mode=mode)
     return fused.replace_value(dst, storage.buffer_of(target).value())
 
 
