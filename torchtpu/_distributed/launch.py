@@ -71,9 +71,13 @@ def initialize(store, rank, world_size, timeout):
     # program that checks the ranks' collectives, swapped their data), and gloo pairs them by
     # order: every program keeps the order it issues them in.  (A compiler option of the
     # program alone did not take; the flag must be set before XLA reads its flags.)
-    flag = "--xla_cpu_enable_concurrency_optimized_scheduler"
-    if flag not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}=false".strip()
+    # On GPUs, XLA's latency-hiding scheduler (which overlaps a program's collectives with its
+    # compute) is not on in every jaxlib; NVIDIA's JAX images set it, and so do we.  On TPUs it
+    # is XLA's default.  A value the user gives in XLA_FLAGS wins.
+    for flag, value in (("--xla_cpu_enable_concurrency_optimized_scheduler", "false"),
+                        ("--xla_gpu_enable_latency_hiding_scheduler", "true")):
+        if flag not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={value}".strip()
     jax.distributed.initialize(address, num_processes=world_size, process_id=rank,
                                initialization_timeout=max(int(timeout.total_seconds()), 1))
     _initialized = True

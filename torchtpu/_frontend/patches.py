@@ -228,7 +228,9 @@ PATCHES = [
           "cross-process collectives on the CPU run on gloo; and --xla_cpu_enable_concurrency_"
           "optimized_scheduler=false (unless XLA_FLAGS names it): that scheduler ordered "
           "collectives that do not depend on each other differently in different processes, "
-          "and gloo pairs them by order (two FSDP blocks' all-gathers swapped their data)",
+          "and gloo pairs them by order (two FSDP blocks' all-gathers swapped their data); "
+          "--xla_gpu_enable_latency_hiding_scheduler=true (unless named): a GPU program's "
+          "collectives overlap its compute, as NVIDIA's JAX images set it",
           launch.initialize,
           "_distributed/launch.initialize(), before jax.distributed.initialize (multi-process "
           "jobs only; XLA reads its flags when its backends start, which is after)"),
