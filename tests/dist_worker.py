@@ -467,6 +467,15 @@ def scenario_fsdp_setup():
     losses, opt = train_clipped(model, data[:3], r, n, clip=0.5)
     check_losses(losses, ref_losses[:3], "FSDP2 with activation checkpointing and clipping")
 
+    # torchtitan compiles each block and shards the compiled module: FSDP2's hooks gather its
+    # parameters around a graph run by backend="tpu".
+    torch.manual_seed(0)
+    compiled = shard(make_model(), mesh, wrap=lambda b: torch.compile(b, backend="tpu"))
+    compiled_losses, _ = train_clipped(compiled, data[:3], r, n, clip=0.5)
+    check_losses(compiled_losses, ref_losses[:3], "FSDP2 of torch.compile'd blocks")
+    counts = torchtpu.metrics()
+    assert counts.get("graph_compiles", 0) + counts.get("graph_cache_hits", 0) > 0, counts
+
     # DCP: save the model and optimizer, load them into a fresh sharded model, and go on
     # training exactly where the first left off.
     path = [tempfile.mkdtemp(prefix="torchtpu-dcp-") if r == 0 else None]

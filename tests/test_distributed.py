@@ -123,7 +123,8 @@ def test_init_process_group_after_a_tensor_says_why():
 
 def test_fsdp2_as_users_set_it_up():
     # A CPU module, a meta module initialised under DTensor, activation checkpointing,
-    # clip_grad_norm_ and a DCP round trip of model and optimizer.
+    # clip_grad_norm_, torch.compile per block (torchtitan's pattern), a DCP round trip of
+    # model and optimizer, and the captured step's program for TPU.
     results = launch("fsdp_setup", 2)
     assert_passed(results, "fsdp_setup")
 
