@@ -627,8 +627,8 @@ class Segment:
         args = ([], ext_arrays, packed_scalars)
         if self.mesh is not None:
             return spmd.export(function, self.mesh.devices.size, self.collectives, args, platforms)
-        abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), args)
-        return jax.export.export(jax.jit(function), platforms=platforms)(*abstract).mlir_module()
+        return jax.export.export(jax.jit(function), platforms=platforms)(
+            *spmd.described(args)).mlir_module()
 
 
 @contextlib.contextmanager

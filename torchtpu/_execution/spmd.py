@@ -14,8 +14,9 @@ differ (rank-divergent code).  Every program therefore begins by all-gathering a
 signature of its collectives (kinds, groups, dtypes, shapes).  If the ranks' signatures differ,
 every rank runs its program with the collectives skipped (they would not pair: an in-place
 collective leaves its target as it was, a new result is zeros), and the mismatch is a deferred
-check (sync.defer) raised at the next host wait, naming each rank's side.  Pairing always works because every program's first collective is that all-gather, of
-one fixed shape (checked on the CPU: collectives of different programs pair by order there).
+check (sync.defer) raised at the next host wait, naming each rank's side.  Pairing always
+works because every program's first collective is that all-gather, of one fixed shape (checked
+on the CPU: collectives of different programs pair by order there).
 TORCHTPU_DIST_CHECK=0 leaves it out.
 
 The distributed layer registers `on_dispatch`, `on_failure` and `on_mismatch` hooks: a host
@@ -196,16 +197,20 @@ def export(fn, size, collectives, args, platforms):
     sig = signature(collectives) if check_enabled() else None
     body = jax.shard_map(program(fn, sig), mesh=mesh, in_specs=P(), out_specs=P(),
                          check_vma=False)
+    after = jax.ShapeDtypeStruct((), jnp.float32)
+    return jax.export.export(jax.jit(body), platforms=platforms)(
+        after, *described(args)).mlir_module()
 
-    def described(a):
+
+def described(args):
+    """`args` (a pytree of arrays and Python numbers) as what jax.export takes: shapes and
+    dtypes, the numbers weakly typed as when they are passed."""
+    def one(a):
         if isinstance(a, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
             return jax.ShapeDtypeStruct(a.shape, a.dtype)
         value = jnp.asarray(a)
         return jax.ShapeDtypeStruct(value.shape, value.dtype, weak_type=True)
-
-    abstract = jax.tree_util.tree_map(described, args)
-    after = jax.ShapeDtypeStruct((), jnp.float32)
-    return jax.export.export(jax.jit(body), platforms=platforms)(after, *abstract).mlir_module()
+    return jax.tree_util.tree_map(one, args)
 
 
 def _replicated(mesh):
