@@ -50,6 +50,8 @@ def _torch_step(impl, seq, heads, dim, dtype):
     q, k, v = (torch.randn(1, heads, seq, dim, dtype=dtype, device=device, requires_grad=True)
                for _ in range(3))
     grad = torch.randn(1, heads, seq, dim, dtype=dtype, device=device)
+    if device == "tpu":  # the inputs' own programs compile and run before the measurement
+        torch.tpu.synchronize()
 
     def step():
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -66,6 +68,7 @@ def _jax_step(seq, heads, dim, dtype):
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, g = (jax.random.normal(key, (1, seq, heads, dim), getattr(jnp, dtype))
                   for key in keys)
+    jax.block_until_ready((q, k, v, g))
 
     @jax.jit
     def fwd_bwd(q, k, v, g):
