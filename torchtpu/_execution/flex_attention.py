@@ -48,8 +48,8 @@ def _is_identity(score_mod):
 
 def _pure_mask_graph(mask_mod, buffers):
     """Why `mask_mod` is not a graph of (b, h, q_idx, kv_idx) alone, or None."""
-    if buffers:
-        return "a mask_mod that reads tensors (e.g. document ids)"
+    if buffers:  # (the values it reads that Dynamo passes at run time)
+        return "a mask_mod that reads tensors (e.g. document ids) or other run-time values"
     if not isinstance(mask_mod, torch.fx.GraphModule):
         return "a mask_mod that was not traced (_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG)"
     for node in mask_mod.graph.nodes:

@@ -182,8 +182,9 @@ def _keyed_mask_class():
 def splash_context():
     """Where the splash kernel is traced: with 32-bit integers (as `pallas_context`). Off a TPU
     it runs in Pallas' generic interpreter (`interpret=True`, which `_splash_kernels` sets)
-    rather than the TPU interpreter `pallas_context` forces: its programs compile in half the
-    time (fwd+bwd at L=256, 2 heads: 2.5 s against 4.7 s) and give the same values."""
+    rather than the TPU interpreter `pallas_context` forces: its programs compiled and ran in
+    half the time (the kernel alone in JAX, a jitted forward then its vjp at L=256, 2 heads, d
+    64: 2.5 s against 4.7 s, 2026-12-03) and give the same values."""
     with jax.enable_x64(False):
         yield
 
