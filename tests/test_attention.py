@@ -376,3 +376,107 @@ def test_flex_attention_patterns_match_the_cpu(compiled):
         got.backward(grad.to("tpu"))
         for d, a in zip(dev, args):
             assert_same(d.grad, a.grad, atol=1.25e-5, rtol=5.25e-6)
+
+
+# --- FlexAttention through the splash kernel (Pallas interpret mode on the CPU) ------------
+
+def _causal(b, h, q, kv):  # (at L = 256: a full, two partial and an empty 128 x 128 block)
+    return q >= kv
+
+
+def _sliding(b, h, q, kv):  # (a window shorter than a block: partial and empty blocks)
+    return (q >= kv) & (q - kv < 96)
+
+
+def _document_mask(length):
+    documents = torch.arange(length) * 3 // length
+
+    def document(b, h, q, kv):
+        return documents[q] == documents[kv]
+    return document
+
+
+def _sdpa_reference(q, k, v, mask_mod):
+    """SDPA on the CPU with mask_mod's boolean mask: values and gradients (the CPU's
+    FlexAttention has no backward)."""
+    L = q.shape[-2]
+    mask = mask_mod(0, 0, torch.arange(L)[:, None], torch.arange(k.shape[-2])[None])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+@pytest.mark.parametrize("mask_mod,kv_heads,compiled", [(_causal, 2, False),
+                                                        (_sliding, 1, True)],
+                         ids=["causal-eager", "sliding-window-gqa-compiled"])
+def test_flex_attention_splash_matches_the_cpu(monkeypatch, mask_mod, kv_heads, compiled):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    monkeypatch.setattr(torch.tpu, "flex_attention_implementation", "splash")
+    L = 256
+    q = torch.randn(1, 2, L, 64, requires_grad=True)
+    k, v = (torch.randn(1, kv_heads, L, 64, requires_grad=True) for _ in range(2))
+    want = _sdpa_reference(q, k, v, mask_mod)
+    gqa = kv_heads != 2
+    dev = [x.detach().to("tpu").requires_grad_() for x in (q, k, v)]
+    block_mask = create_block_mask(mask_mod, None, None, L, L, device="tpu")
+    run = torch.compile(flex_attention, backend="tpu") if compiled else flex_attention
+    before = counts("flex_attention::splash", "flex_attention::dense")
+    got = run(*dev, block_mask=block_mask, enable_gqa=gqa)
+    assert counts("flex_attention::splash", "flex_attention::dense") == (before[0] + 1,
+                                                                          before[1])
+    assert_same(got, want.detach(), atol=1e-5, rtol=5e-6)
+    grad = torch.randn_like(want)
+    want.backward(grad)
+    got.backward(grad.to("tpu"))
+    for d, a in zip(dev, (q, k, v)):  # (SDPA's grouped gradients stride their 1 head oddly)
+        assert_same(d.grad, a.grad, atol=1.25e-5, rtol=5.25e-6, strides=False)
+        assert d.grad.is_contiguous()
+
+
+def test_flex_attention_implementation_choice(monkeypatch):
+    # The choice on each call's operator arguments (traced mask_mod / score_mod graphs), by
+    # platform and setting; nothing runs.
+    from torchtpu._execution import flex_attention as flex
+    trace = torch.fx.symbolic_trace
+    q = torch.empty(1, 2, 256, 64)
+
+    def choose(mask_mod=_causal, score_mod=lambda s, b, h, i, j: s, q=q, k=q, platform="tpu",
+               **options):
+        block_mask = (None,) * 16 + (trace(mask_mod),)
+        return flex.implementation(q, k, k, trace(score_mod), block_mask, options, (), (),
+                                   platform)[0]
+
+    assert choose() == "splash"
+    assert choose(_sliding) == "splash"
+    assert choose(lambda b, h, q, kv: (q >= kv) | (h == 1)) == "splash"  # (per head)
+    assert choose(platform="cpu") == "dense"  # (the kernel would run in interpret mode)
+    assert choose(score_mod=lambda s, b, h, i, j: s * 2) == "dense"
+    assert choose(_document_mask(256)) == "dense"  # (a tensor the mask reads: data)
+    assert choose(lambda b, h, q, kv: q > kv) == "dense"  # (query 0 attends to no key)
+    assert choose(q=torch.empty(1, 2, 200, 64), k=torch.empty(1, 2, 200, 64)) == "dense"
+    assert choose(q=q.half(), k=q.half()) == "dense"
+    assert choose(OUTPUT_MAX=True) == "dense"
+    monkeypatch.setattr(torch.tpu, "flex_attention_implementation", "splash")
+    assert choose(platform="cpu") == "splash"
+    with pytest.raises(RuntimeError, match="'splash'.*does not take this call: a score_mod"):
+        choose(score_mod=lambda s, b, h, i, j: s * 2)
+    monkeypatch.setattr(torch.tpu, "flex_attention_implementation", "dense")
+    assert choose() == "dense"
+    monkeypatch.setattr(torch.tpu, "flex_attention_implementation", "flash")
+    with pytest.raises(RuntimeError, match="no implementation 'flash'"):
+        choose()
+
+
+def test_flex_attention_with_a_score_mod_falls_back_to_dense_on_tpus(monkeypatch):
+    # On the TPU platform (stood in for: the dense path runs no Pallas kernel) a call with a
+    # score_mod (ALiBi's) runs the dense implementation, counted as such, with the CPU's values.
+    import types
+    from torch.nn.attention.flex_attention import flex_attention
+    from torchtpu._execution import flex_attention as flex
+    monkeypatch.setattr(flex, "runtime", types.SimpleNamespace(platform=lambda: "tpu"))
+    (q, k, v), cases = _flex_cases()  # (its calls traced by Dynamo once, for both tests)
+    score_mod, mask_mod, _, dev_score, dev_mask = cases["alibi"]
+    before = counts("flex_attention::splash", "flex_attention::dense")
+    got = flex_attention(*(x.to("tpu") for x in (q, k, v)), dev_score, dev_mask)
+    assert counts("flex_attention::splash", "flex_attention::dense") == (before[0],
+                                                                          before[1] + 1)
+    assert_same(got, _flex_reference(q, k, v, score_mod, mask_mod), atol=1e-5, rtol=5e-6)

@@ -321,12 +321,12 @@ def _fused_attention_covers(q, k, v, mask, enable_gqa):
     return True
 
 
-def attention_setting():
-    """The implementation the user asked for: `torch.tpu.attention_implementation`, else the
-    environment's TORCHTPU_ATTENTION; None (or "auto") lets each call choose."""
-    name = getattr(torch.tpu, "attention_implementation", None)
+def implementation_setting(attribute="attention_implementation", variable="TORCHTPU_ATTENTION"):
+    """The implementation the user asked for: `torch.tpu.<attribute>`, else the environment's
+    `variable`; None (or "auto") lets each call choose."""
+    name = getattr(torch.tpu, attribute, None)
     if name is None:
-        name = os.environ.get("TORCHTPU_ATTENTION") or None
+        name = os.environ.get(variable) or None
     return None if name == "auto" else name
 
 
@@ -335,7 +335,7 @@ def _implementation(q, k, v, mask, dropout_p, is_causal):
     shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape), _dtype_name(q.dtype),
               None if mask is None else _dtype_name(mask.dtype), dropout_p, is_causal)
     platform = runtime.platform()
-    asked = attention_setting()
+    asked = implementation_setting()
     if asked is None:
         name = attention.choose(platform, *shapes)
     else:

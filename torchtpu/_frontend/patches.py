@@ -22,7 +22,7 @@ import torchtpu_autoload
 from .._compile import backend, cache, step
 from .._core import runtime, storage
 from .._distributed import launch
-from .._execution import fused, optimizer_state, tpu_graphs
+from .._execution import flex_attention, fused, optimizer_state, tpu_graphs
 from . import current, torch_tpu
 
 CHECKED_ON = ("2.13",)
@@ -191,6 +191,12 @@ PATCHES = [
           "graphs run the flex_attention operator's own dense implementation in tpu ops, "
           "forward and backward (the CPU's refusal of a backward stays the CPU's)",
           _flex_attention_device),
+    Patch(("torch._higher_order_ops.flex_attention.flex_attention.py_kernels",
+           "torch._higher_order_ops.flex_attention.flex_attention_backward.py_kernels"),
+          "the flex_attention operators' kernels for tpu tensors (PrivateUse1, below "
+          "autograd; eager and compiled): JAX's Pallas splash-attention kernel for the calls "
+          "it takes, the operators' own dense implementation for the others "
+          "(_execution/flex_attention.py)", flex_attention.install),
     Patch(_OPTIMIZER_HOOKS[1:], "fused eager runs its trace when optimizer.step() returns",
           fused.install),
     Patch(_OPTIMIZER_HOOKS[:1],

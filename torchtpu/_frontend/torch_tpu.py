@@ -254,6 +254,9 @@ enable_cpu_fallback = False
 # choose; "xla", "blockwise", "pallas_flash" or "cudnn" asks for one, and a call it cannot take
 # raises.  None defers to the environment's TORCHTPU_ATTENTION.  See docs/kernels.md.
 attention_implementation = None
+# The same for torch.nn.attention.flex_attention: "splash" or "dense"; None defers to the
+# environment's TORCHTPU_FLEX_ATTENTION.
+flex_attention_implementation = None
 
 
 # --- streams and events ---------------------------------------------------------------------
