@@ -3,6 +3,7 @@ nothing (no trace, no lowering, no XLA) and computes the same bits; a damaged, f
 other-version entry is rebuilt; processes share the directory; the metrics say where compile
 time went and which programs were built more than once."""
 import os
+import shutil
 import subprocess
 import sys
 
@@ -93,9 +94,27 @@ def _reference():
     return np.concatenate([t.detach().numpy().ravel() for t in losses + list(m.parameters())])
 
 
+@pytest.fixture(scope="module")
+def _strict_cold(tmp_path_factory):
+    """One cold strict process (its cache and bits), for the tests that start from one."""
+    path = tmp_path_factory.mktemp("strict-cold")
+    return path, _step(path, "strict", "cold")
+
+
+def _cold(tmp_path, mode, strict_cold):
+    """A cold process's result, with its cache and bits in `tmp_path`: the module's strict one
+    copied, or a new process."""
+    if mode != "strict":
+        return _step(tmp_path, mode, "cold")
+    path, result = strict_cold
+    shutil.copytree(path / "cache", tmp_path / "cache")
+    shutil.copy(path / "cold.npy", tmp_path / "cold.npy")
+    return result
+
+
 @pytest.mark.parametrize("mode", ["strict", "fused", "compiled", "onestep"])
-def test_a_warm_process_builds_nothing_and_computes_the_same_bits(tmp_path, mode):
-    cold = _step(tmp_path, mode, "cold")
+def test_a_warm_process_builds_nothing_and_computes_the_same_bits(tmp_path, mode, _strict_cold):
+    cold = _cold(tmp_path, mode, _strict_cold)
     assert cold["compiled"] > 0 and cold["loaded"] == 0
     warm = _step(tmp_path, mode, "warm")
     assert warm["compiled"] == 0 and warm["loaded"] == cold["compiled"] and warm["rejected"] == 0
@@ -107,8 +126,8 @@ def test_a_warm_process_builds_nothing_and_computes_the_same_bits(tmp_path, mode
 
 
 @pytest.mark.parametrize("damage", ["garbled", "truncated", "swapped"])
-def test_a_damaged_entry_is_rebuilt_never_loaded(tmp_path, damage):
-    cold = _step(tmp_path, "strict", "cold")
+def test_a_damaged_entry_is_rebuilt_never_loaded(tmp_path, damage, _strict_cold):
+    cold = _cold(tmp_path, "strict", _strict_cold)
     entries = sorted((tmp_path / "cache").glob("*.entry"))
     assert entries
     if damage == "garbled":
