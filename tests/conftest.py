@@ -10,6 +10,31 @@ if "TORCHTPU_CACHE_DIR" not in os.environ:
     os.environ["TORCHTPU_CACHE_DIR"] = tempfile.mkdtemp(prefix="torchtpu-test-cache-")
     atexit.register(shutil.rmtree, os.environ["TORCHTPU_CACHE_DIR"], True)
 
+# Compiling is most of the suite's time (80 of the 110 s each rank of the fused FSDP scenario
+# spends), and most of compiling is LLVM optimising the machine code of XLA:CPU's programs:
+# the suite compiles them with LLVM's lightest optimisation (2.4x faster to compile a GPT step). XLA's HLO passes
+# (fusion, layouts, the programs tests inspect) are the same; only the machine code is slower
+# and may round differently where LLVM would fuse a multiply-add, which no test compares
+# across settings. Level 1, not 0: at 0 XLA:CPU's attention with a -inf mask gives NaN where
+# level 1 and 3 give PyTorch's values (jax.nn.dot_product_attention alone does it). XLA_FLAGS
+# naming the level (=3, XLA's default) runs the suite as users run their programs.
+SUITE_XLA_FLAGS = ("--xla_backend_optimization_level=1",)
+
+
+def xla_flags(devices=None):
+    """XLA_FLAGS for a process the suite starts: the suite's, with `devices` CPU devices (or
+    XLA's one)."""
+    flags = [f for f in os.environ["XLA_FLAGS"].split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    if devices:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    return " ".join(flags)
+
+
+_given = os.environ.get("XLA_FLAGS", "")  # (the flags it names win)
+os.environ["XLA_FLAGS"] = " ".join(
+    [_given] + [f for f in SUITE_XLA_FLAGS if f.split("=")[0] not in _given]).strip()
+
 # Small index ops with ready inputs would run on the host by PyTorch's CPU kernel (masks.py),
 # whether a test's inputs are ready or not depending on timing: the suite tests the index
 # lowerings, which every step on the device runs; tests/test_index_patterns.py turns it on.

@@ -12,6 +12,8 @@ import torchtpu
 from torchtpu._core import storage
 from torchtpu._execution import fused
 
+from conftest import xla_flags
+
 
 def run_python(code, env=None):
     e = dict(os.environ)
@@ -370,7 +372,7 @@ def test_multiple_devices_and_cross_device_copies():
             assert torchtpu.metrics()["flush::device_change"] >= 1
             assert e.device.index == 2 and e.cpu().tolist() == [[1, 6, 11], [16, 21, 26]]
         print("ok")
-    """, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+    """, env={"XLA_FLAGS": xla_flags(4)})
     assert "ok" in out
 
 

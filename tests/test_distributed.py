@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import xla_flags
 
 WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,9 +34,9 @@ def _env(rank, world, port, devices_per_process, extra):
                PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="1",
                # this checkout's torchtpu, not an installed one (the script's folder is tests/)
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    env.pop("XLA_FLAGS", None)  # by default one CPU device per process, as one chip per process
+    # by default one CPU device per process, as one chip per process
+    env["XLA_FLAGS"] = xla_flags(devices_per_process if devices_per_process > 1 else None)
     if devices_per_process > 1:  # every process sees all devices and picks tpu:LOCAL_RANK
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
         env["TORCHTPU_TEST_SET_DEVICE"] = "1"
     return env
 
@@ -172,8 +173,7 @@ def test_rank_that_never_joins_fails_init_within_timeout():
     os.path.join(os.path.dirname(sys.executable), "torchrun")), reason="torchrun not installed")
 def test_torchrun_launches_unchanged_script():
     torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("XLA_FLAGS", None)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_FLAGS=xla_flags())
     out = subprocess.run([torchrun, "--nproc-per-node", "2", "--standalone", WORKER, "dtensor"],
                          env=env, capture_output=True, text=True, timeout=240, check=False)
     text = out.stdout + out.stderr

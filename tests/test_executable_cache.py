@@ -15,6 +15,8 @@ import torchtpu
 from torchtpu._core import metrics
 from torchtpu._execution import executables
 
+from conftest import xla_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A small training step (forward, cross-entropy, backward, AdamW) for 3 steps; prints the
@@ -279,7 +281,7 @@ def test_an_executable_is_loaded_onto_the_device_it_was_built_for(tmp_path):
     # A host with 4 devices, the program on tpu:2: a loaded executable must run there and
     # give arrays that other programs (the copy to tpu:0, a slice) accept.
     env = {**os.environ, "TORCHTPU_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": ROOT,
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+           "XLA_FLAGS": xla_flags(4)}
     runs = [subprocess.run([sys.executable, "-c", ON_DEVICE_2], env=env, cwd=ROOT,
                            capture_output=True, text=True, timeout=600) for _ in range(2)]
     for run in runs:
