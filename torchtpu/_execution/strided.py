@@ -125,8 +125,32 @@ def write(array, shape, stride, offset, dtype, value):
     if stride == contiguous_strides(shape):
         flat = lax.dynamic_update_slice(flat, value.reshape(-1), (offset,))
     else:
-        flat = flat.at[_gather_indices(shape, stride, offset).reshape(-1)].set(value.reshape(-1))
+        flat = _write_strided(flat, shape, stride, offset, value)
     return _from_dtype(flat, array.dtype).reshape(array.shape)
+
+
+def _write_strided(flat, shape, stride, offset, value):
+    """`flat` with the view's elements replaced by `value`.  A sub-lattice of a dense layout
+    (e.g. half of each row: RoPE's halves, a chunk's gradient) is an update of the block of
+    that layout around it, as `_read_strided` reads it; a scatter with an index per element
+    (what any other view gets) cost XLA a scatter per write, 16 in a Llama step's program."""
+    live = [d for d, n in enumerate(shape) if n > 1]
+    order = sorted(live, key=lambda d: -stride[d])
+    sizes = [shape[d] for d in order]
+    strides = [stride[d] for d in order]
+    lattice = bool(order) and strides[-1] > 0 and all(
+        strides[k] % strides[k + 1] == 0 and strides[k] >= strides[k + 1] * sizes[k + 1]
+        for k in range(len(order) - 1))
+    if not lattice:  # (a stride-0 dim, or windows that overlap)
+        return flat.at[_gather_indices(shape, stride, offset).reshape(-1)].set(value.reshape(-1))
+    span = sizes[0] * strides[0]
+    # The elements the view reaches lie in the storage; the block around them may not.
+    reach = 1 + sum((n - 1) * s for n, s in zip(sizes, strides))
+    block_shape = [sizes[0]] + [strides[k] // strides[k + 1] for k in range(len(order) - 1)] + [strides[-1]]
+    block = jnp.pad(_slice(flat, offset, reach), (0, span - reach)).reshape(block_shape)
+    value = jnp.transpose(value.reshape([shape[d] for d in live]), [live.index(d) for d in order])
+    block = lax.dynamic_update_slice(block, value.reshape(sizes + [1]), (0,) * len(block_shape))
+    return lax.dynamic_update_slice(flat, block.reshape(-1)[:reach], (offset,))
 
 
 def store(value, stride):
