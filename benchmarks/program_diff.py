@@ -12,8 +12,8 @@ the hand-written `jax.jit` step of the same model and optimizer, per model:
 - "JAX": `jax.jit` of benchmarks/jax_models.py's loss and AdamW, donating params and state.
 
 Per mode: XLA's cost analysis of the optimized programs (FLOPs, bytes accessed; summed over a
-step's programs), top-level fusions and copies in their entry computations, parameters and
-results, and the steady time per step (ratio to JAX's, a range over `--repeat` alternating
+step's programs), top-level fusions in their entry computations (and of them, those computing
+one number), copies (and of them, copies of an input), parameters and results, and the steady time per step (ratio to JAX's, a range over `--repeat` alternating
 runs), with the loss after the timed steps (all modes run the same steps from the same weights,
 so the losses must agree).  Cost analysis and counts are deterministic; times are the noisy part.
 
@@ -78,15 +78,24 @@ def describe(compiled):
     text = compiled.as_text()
     entry = text[text.index("\nENTRY"):]
     entry = entry[:entry.index("\n}")]
-    opcodes = collections.Counter(m.group(1) for m in re.finditer(r"= [^=]*? ([a-z][\w-]*)\(", entry))
+    # (name, result shape, opcode, first operand) of each instruction of the entry computation
+    lines = re.findall(r"(%[\w.-]+) = (\([^=]*?\)|\S+) ([a-z][\w-]*)\((%[\w.-]+)?", entry)
+    opcodes = collections.Counter(op for _, _, op, _ in lines)
+    params = {name for name, _, op, _ in lines if op == "parameter"}
     return dict(flops=cost.get("flops", 0.0), bytes=cost.get("bytes accessed", 0.0),
-                fusions=opcodes["fusion"], copies=opcodes["copy"],
-                params=opcodes["parameter"],
+                fusions=opcodes["fusion"], copies=opcodes["copy"], params=len(params),
+                # fusions computing one number (per-parameter scalars: AdamW's step counters
+                # and bias corrections), copies of an input (XLA keeps the old value of a
+                # donated input that is read after its new value is written)
+                scalar_fusions=sum(op == "fusion" and re.match(r"\w+\[1?\]", shape) is not None
+                                   for _, shape, op, _ in lines),
+                input_copies=sum(op == "copy" and arg in params for _, _, op, arg in lines),
                 outputs=len(jax.tree.leaves(compiled.out_info)), text=text, programs=1)
 
 
 def total(descriptions):
-    keys = ("flops", "bytes", "fusions", "copies", "params", "outputs", "programs")
+    keys = ("flops", "bytes", "fusions", "copies", "params", "outputs", "programs",
+            "scalar_fusions", "input_copies")
     return {k: sum(d[k] for d in descriptions) for k in keys}
 
 
@@ -188,8 +197,8 @@ def measure(name, a):
         losses[m] = float(value.item() if isinstance(value, torch.Tensor) else value)
 
     print(f"\n{title}, batch {BATCH}, AdamW(lr={LR}); {a.repeat} alternating runs of {a.steps} steps")
-    header = ("", "programs", "GFLOP", "MB accessed", "fusions", "copies", "params", "results",
-              "ms/step", "x JAX", "loss")
+    header = ("", "programs", "GFLOP", "MB accessed", "fusions", "(1-number)", "copies", "(of inputs)",
+              "params", "results", "ms/step", "x JAX", "loss")
     print("  " + " | ".join(f"{h:>11s}" for h in header))
     jr = rows["JAX"]
     for m, r in rows.items():
@@ -197,7 +206,8 @@ def measure(name, a):
         cells = (m, str(r["programs"]),
                  f"{r['flops'] / 1e9:.3f} {r['flops'] / jr['flops']:.2f}x",
                  f"{r['bytes'] / 1e6:.1f} {r['bytes'] / jr['bytes']:.2f}x",
-                 str(r["fusions"]), str(r["copies"]), str(r["params"]), str(r["outputs"]),
+                 str(r["fusions"]), str(r["scalar_fusions"]), str(r["copies"]), str(r["input_copies"]),
+                 str(r["params"]), str(r["outputs"]),
                  f"{min(times[m]):.1f}-{max(times[m]):.1f}",
                  f"{min(ratios):.2f}-{max(ratios):.2f}", f"{losses[m]:.6f}")
         print("  " + " | ".join(f"{c:>11s}" for c in cells))
