@@ -13,9 +13,11 @@ the hand-written `jax.jit` step of the same model and optimizer, per model:
 
 Per mode: XLA's cost analysis of the optimized programs (FLOPs, bytes accessed; summed over a
 step's programs), top-level fusions in their entry computations (and of them, those computing
-one number), copies (and of them, copies of an input), parameters and results, and the steady time per step (ratio to JAX's, a range over `--repeat` alternating
-runs), with the loss after the timed steps (all modes run the same steps from the same weights,
-so the losses must agree).  Cost analysis and counts are deterministic; times are the noisy part.
+one number), copies (and of them, copies of an input), parameters and results, and the steady
+time per step (ratio to JAX's, a range over `--repeat` alternating runs), with the loss after
+the timed steps (all modes run the same steps from the same weights, so the losses must agree).
+Cost analysis and counts are deterministic; times are the noisy part.  docs/performance.md
+("Compiled programs beside JAX's") reads the figures.
 
 The models: the small GPT (2 layers, d 128, T 64) and the 4-layer GPT (d 256, T 128) of
 benchmarks/train_step.py, and a Llama-style model (RMSNorm, RoPE, SwiGLU, grouped-query SDPA)
