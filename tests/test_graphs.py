@@ -1,6 +1,7 @@
 """torch.tpu graphs: a whole training step captured once and replayed (torch.cuda graphs' API)."""
 import copy
 import inspect
+import re
 
 import pytest
 import torch
@@ -315,3 +316,27 @@ def test_warm_up_on_a_side_stream_and_zero_compiles_per_replay():
     assert after["tpu_graph_replays"] - before.get("tpu_graph_replays", 0) == 3
     assert after["donated_buffers"] > before.get("donated_buffers", 0)  # parameters, state
     assert torch.isfinite(loss).item()
+
+
+def test_each_overwritten_storage_gives_its_buffer_to_its_own_new_value():
+    # JAX gives a donated input's buffer to the first result of its shape; the step's new
+    # gradients have the parameters' shapes, and where one took a parameter's buffer XLA
+    # copied every parameter and optimizer state first (fused._Order).
+    model = MLP().to("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=True)
+    x, y = torch.randn(16, 32).to("tpu"), torch.randint(0, 10, (16,)).to("tpu")
+    g, _ = capture(lambda: train_step(model, opt, x, y))
+    g.replay()
+    segment = g._segment
+    overwritten = {k: r for r, k in segment.structure[3]}  # input -> its new value
+    checked = 0
+    for donate, executable in segment.executables.items():
+        order = segment.order(donate)
+        header = executable.last.as_text().split("\n", 1)[0]
+        for result, param in re.findall(r"\{(\d+)\}: \((\d+), \{\}", header):
+            k = order.donated[int(param)]
+            if k in overwritten:
+                assert order.results[int(result)] == overwritten[k]
+                checked += 1
+    # at least the parameters, exp_avg, exp_avg_sq and step of the MLP's 6 tensors
+    assert checked >= 24

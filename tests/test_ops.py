@@ -137,6 +137,21 @@ def test_foreach_ops():
     torch.testing.assert_close(torch.stack(norms).cpu(), torch.stack(torch._foreach_norm(xs)))
 
 
+def test_foreach_pow_of_a_number_is_one_op_promoting_each_exponent():
+    # AdamW's capturable bias corrections: pow(beta, step) for every parameter, one op (the
+    # CPU's kernel loops over pow(Scalar, Tensor)); each element promoted on its own.
+    import torchtpu
+    cases = [(0.999, [torch.tensor([3.0], dtype=torch.bfloat16), torch.tensor(1.0)]),
+             (1.5, [torch.arange(0, 5), torch.tensor([3, 4], dtype=torch.int32)]),
+             (2, [torch.arange(0, 5), torch.tensor([True, False])]), (2j, [torch.tensor([0.5, -1.0])])]
+    for s, xs in cases:
+        before = torchtpu.metrics().get("op::aten._foreach_pow.ScalarAndTensor", 0)
+        got = torch._foreach_pow(s, [x.to("tpu") for x in xs])
+        for g, r in zip(got, torch._foreach_pow(s, xs)):
+            assert_same(g, r)
+        assert torchtpu.metrics()["op::aten._foreach_pow.ScalarAndTensor"] == before + 1
+
+
 def test_foreach_over_many_tensors_sharing_storages():
     # A foreach op over hundreds of tensors, many of them views of one storage and one of them
     # listed twice: each storage is found among the call's (op_keys.Buffers) in one lookup,

@@ -89,6 +89,10 @@ def test_views_have_pytorch_metadata():
     ("diag_fill", lambda x: x.diagonal().fill_(0)),
     ("col_copy", lambda x: x[:, 0].copy_(torch.tensor([7.0, 8.0, 9.0, 10.0]))),
     ("slice_sub", lambda x: x[1:3, 1:].sub_(x[0, 1:])),
+    # a block of the dense layout around the view (strided._write_strided), past the
+    # storage's end; half of each permuted row, as RoPE's backward writes
+    ("corner_add", lambda x: x[2:, 3:].add_(1)),
+    ("permuted_halves", lambda x: x.view(2, 2, 2, 2).transpose(1, 2)[..., 1:].mul_(3)),
 ])
 def test_inplace_through_views(name, fn):
     a = torch.arange(16.0).reshape(4, 4)

@@ -477,11 +477,12 @@ class Segment:
     the op whose index check failed.  `prepare` then `run`."""
 
     __slots__ = ("structure", "executables", "has_checks", "kind", "key", "name", "patterns",
-                 "mesh", "collectives")
+                 "mesh", "collectives", "orders")
 
     def __init__(self, signature, outputs, scalar_types, kind, guarded=()):
         self.structure = (signature, outputs, scalar_types, tuple(guarded))
         self.executables = {}
+        self.orders = {}  # donation pattern -> _Order
         self.has_checks = None  # known once traced
         self.kind = kind
         self.key = structure_key(*self.structure)
@@ -508,7 +509,7 @@ class Segment:
 
     def _make(self, donate):
         """The (unbuilt) executable of this donation pattern."""
-        function = segment_function(*self.structure, donate)
+        function = segment_function(*self.structure, self.order(donate))
         key = None if self.key is None else f"{self.key} donating {donate}"
         options = dict(traced=checks_info(self.structure[0]), compiler_options=EAGER_ROUNDING,
                        donate_argnums=(0,) if any(donate) else ())
@@ -516,6 +517,13 @@ class Segment:
             return spmd.Program(function, self.mesh, self.collectives, key, self.name,
                                 self.name, **options)
         return executables.Executable(function, key, self.name, **options)
+
+    def order(self, donate):
+        """The argument and result order of this donation pattern's executable (_Order)."""
+        order = self.orders.get(donate)
+        if order is None:
+            order = self.orders[donate] = _Order(donate, self.structure[3], len(self.structure[1]))
+        return order
 
     def donation(self, ext_arrays, held=None):
         """Per input array: may the segment consume it?  Only arrays nothing else refers to
@@ -533,7 +541,8 @@ class Segment:
         start = time.perf_counter()
         fn = self._make(donate)
         with donation_warnings_ignored():
-            async_compile.prebuild(fn, (*_split(ext_arrays, donate), packed_scalars), ahead=True)
+            async_compile.prebuild(fn, (*self.order(donate).split(ext_arrays), packed_scalars),
+                                   ahead=True)
         self.executables[donate] = fn
         self.has_checks = any(c.check_info for c, _, _ in self.structure[0])
         metrics.counters[f"{self.kind}_compiles"] += 1
@@ -578,7 +587,7 @@ class Segment:
         if fn is None:
             fn = self._make(donate)
             with donation_warnings_ignored():
-                fn.prepare(*_split(ext_arrays, donate), packed_scalars)
+                fn.prepare(*self.order(donate).split(ext_arrays), packed_scalars)
             self.executables[donate] = fn
             if self.patterns is not None and donate not in self.patterns:
                 # With those another process noted meanwhile (a lost race only costs a compile).
@@ -592,9 +601,12 @@ class Segment:
         donate, compiling, start = call
         try:
             fn = self.compile(ext_arrays, donate, packed_scalars)
-            donated, kept = _split(ext_arrays, donate)
+            order = self.order(donate)
+            donated, kept = order.split(ext_arrays)
             with donation_warnings_ignored():
                 results, checks = fn(donated, kept, packed_scalars)
+            if order.back is not None:
+                results = [results[p] for p in order.back]
             metrics.counters["donated_buffers"] += len(donated)
         finally:
             if compiling:
@@ -623,7 +635,7 @@ class Segment:
     def export(self, ext_arrays, packed_scalars, platforms):
         """StableHLO text of the program for `platforms` (spmd.export), whose devices this
         process need not have; a segment without collectives is one device's program."""
-        function = segment_function(*self.structure, (False,) * len(ext_arrays))
+        function = segment_function(*self.structure, self.order((False,) * len(ext_arrays)))
         args = ([], ext_arrays, packed_scalars)
         if self.mesh is not None:
             return spmd.export(function, self.mesh.devices.size, self.collectives, args, platforms)
@@ -647,19 +659,53 @@ def unshared(arrays, held=None):
     return tuple(c <= 3 + h for c, h in zip(counts, held or (0,) * len(arrays)))
 
 
-def _split(ext_arrays, donate):
-    """(donated, kept): the two argument lists of a segment's executable."""
-    return ([a for a, d in zip(ext_arrays, donate) if d],
-            [a for a, d in zip(ext_arrays, donate) if not d])
+class _Order:
+    """How a segment's executable takes its inputs and gives its results, for one donation
+    pattern.  JAX gives a donated input's buffer to the first result of its shape and dtype,
+    in order; a result that overwrites a donated input (`guarded`: a parameter's, an optimizer
+    state's new value) must get that input's buffer, or XLA copies the input first (where a
+    gradient of a parameter's shape came first and took the parameter's buffer, it copied
+    every parameter and optimizer state: 150 copies in the small GPT's whole step).  So those
+    results come first, and their inputs first among the donated ones, in the same order.
+    `inputs`: per external input, its position in (donated + kept); `results`: the segment's
+    results in the executable's order; `back` (None where that is the segment's order): per
+    segment result, its position among the executable's."""
+
+    __slots__ = ("donated", "kept", "inputs", "results", "back")
+
+    def __init__(self, donate, guarded, n_results):
+        pairs, ahead = {}, set()
+        for r, k in guarded:  # (one result per input, one input per result)
+            if donate[k] and k not in pairs and r not in ahead:
+                pairs[k] = r
+                ahead.add(r)
+        pairs = sorted(pairs.items())
+        first = {k for k, _ in pairs}
+        self.donated = [k for k, _ in pairs] + [k for k, d in enumerate(donate) if d and k not in first]
+        self.kept = [k for k, d in enumerate(donate) if not d]
+        self.inputs = [0] * len(donate)
+        for p, k in enumerate(self.donated + self.kept):
+            self.inputs[k] = p
+        self.results = [r for _, r in pairs] + [r for r in range(n_results) if r not in ahead]
+        self.back = None
+        if self.results != list(range(n_results)):
+            self.back = [0] * n_results
+            for p, r in enumerate(self.results):
+                self.back[r] = p
+
+    def split(self, ext_arrays):
+        """(donated, kept): the two argument lists of the executable."""
+        return [ext_arrays[k] for k in self.donated], [ext_arrays[k] for k in self.kept]
 
 
-def segment_function(signature, outputs, scalar_types, guarded, donate):
+def segment_function(signature, outputs, scalar_types, guarded, order):
     """The recorded ops as one JAX function: (donated, kept, packed scalars) -> (results, each
-    op's checks).  `guarded`: (result, input) pairs, the storages a graph overwrites: where a
-    check fails, result r is input k unchanged, so a failure read later changed nothing."""
+    op's checks), arguments and results in `order` (_Order).  `guarded`: (result, input) pairs,
+    the storages a graph overwrites: where a check fails, result r is input k unchanged, so a
+    failure read later changed nothing."""
     def segment(donated, kept, packed):
-        donated_it, kept_it = iter(donated), iter(kept)
-        ext = [next(donated_it) if d else next(kept_it) for d in donate]
+        given = list(donated) + list(kept)
+        ext = [given[p] for p in order.inputs]
         scalars = _unpack_scalars(packed, scalar_types)
         slots = []
         checks = []
@@ -676,6 +722,8 @@ def segment_function(signature, outputs, scalar_types, guarded, donate):
         if guarded and passed is not None:
             for r, k in guarded:
                 results[r] = jnp.where(passed.all(), results[r], ext[k])
+        if order.back is not None:
+            results = [results[r] for r in order.results]
         return results, checks
 
     return segment

@@ -1,7 +1,11 @@
 """The `_foreach_*` ops torch.optim uses on this device (one executable for the whole list)."""
 import jax.numpy as jnp
+import numpy as np
+import torch
 
+from .pointwise import pow_
 from .reductions import vector_norm
+from .._core.dtypes import to_jax_dtype, to_torch_dtype
 from .._core.registry import lowering
 
 
@@ -49,6 +53,19 @@ for _name, _fn in {"sqrt": jnp.sqrt, "neg": jnp.negative, "abs": jnp.abs, "exp":
                    "zero": jnp.zeros_like}.items():
     lowering(f"aten::_foreach_{_name}.default")(
         (lambda f: lambda xs: [f(x).astype(x.dtype) for x in xs])(_fn))
+
+
+@lowering("aten::_foreach_pow.ScalarAndTensor")
+def foreach_pow_scalar_and_tensor(s, exponents):
+    # One op for the list: PyTorch's kernel calls pow(s, e) per element, two ops per
+    # parameter in AdamW's capturable step (its bias corrections).  The same pow per element,
+    # each exponent promoted as pow(s, e) promotes it (the list may mix dtypes).
+    number = {"b": False, "i": 0, "u": 0, "f": 0.0, "c": 0j}[np.dtype(jnp.result_type(s)).kind]
+    out = []
+    for e in exponents:
+        dtype = torch.result_type(torch.empty((), dtype=to_torch_dtype(e.dtype), device="meta"), number)
+        out.append(pow_(s, e.astype(to_jax_dtype(dtype))))
+    return out
 
 
 @lowering("aten::_foreach_addcmul.Scalar", "aten::_foreach_addcmul.ScalarList")

@@ -1,0 +1,243 @@
+"""The optimized programs of a compiled training step (forward, backward, AdamW) side by side with
+the hand-written `jax.jit` step of the same model and optimizer, per model:
+
+    python benchmarks/program_diff.py [--models small,gpt4,llama] [--steps 5] [--repeat 3]
+                                      [--dump DIR]  (each program's optimized HLO as text)
+
+- "1-exe": `torch.compile(step, backend="tpu", mode="reduce-overhead")`, one executable a step;
+- "compiled": `torch.compile(step, backend="tpu")`, which runs a step as several programs: the
+  Dynamo graphs' forward and backward and the graph after `zero_grad`'s break (the optimizer
+  step), plus eager ops between them; it names them, and Dynamo's break reasons
+  (`torch._dynamo.explain`);
+- "JAX": `jax.jit` of benchmarks/jax_models.py's loss and AdamW, donating params and state.
+
+Per mode: XLA's cost analysis of the optimized programs (FLOPs, bytes accessed; summed over a
+step's programs), top-level fusions in their entry computations (and of them, those computing
+one number), copies (and of them, copies of an input), parameters and results, and the steady
+time per step (ratio to JAX's, a range over `--repeat` alternating runs), with the loss after
+the timed steps (all modes run the same steps from the same weights, so the losses must agree).
+Cost analysis and counts are deterministic; times are the noisy part.  docs/performance.md
+("Compiled programs beside JAX's") reads the figures.
+
+The models: the small GPT (2 layers, d 128, T 64) and the 4-layer GPT (d 256, T 128) of
+benchmarks/train_step.py, and a Llama-style model (RMSNorm, RoPE, SwiGLU, grouped-query SDPA)
+of the 4-layer GPT's width; batch 8, AdamW(lr=1e-3).
+"""
+import argparse
+import collections
+import contextlib
+import copy
+import os
+import re
+import time
+
+os.environ.setdefault("TORCHTPU_CACHE_DIR", "")  # cold: the programs are built here
+
+import jax
+import jax.numpy as jnp
+import torch
+
+import jax_models
+import torchtpu  # noqa: F401
+from torchtpu._execution import fused
+from torchtpu.examples.models import GPT, Llama
+from train_step import time_steps, torch_step
+
+MODELS = {
+    "small": ("small GPT (2 layers, d 128, T 64)",
+              lambda: GPT(vocab=1024, d_model=128, n_heads=4, n_layers=2, seq=64), 64),
+    "gpt4": ("4-layer GPT (d 256, T 128)",
+             lambda: GPT(vocab=1024, d_model=256, n_heads=4, n_layers=4, seq=128), 128),
+    "llama": ("Llama (4 layers, d 256, 4 heads, 2 kv heads, T 128)",
+              lambda: Llama(vocab=1024, d=256, layers=4, heads=4, hidden=704, kv_heads=2), 128),
+}
+BATCH = 8
+LR = 1e-3
+
+
+@contextlib.contextmanager
+def programs_run(into):
+    """Collects, in order, the executables (jax.stages.Compiled) of the segments that run
+    meanwhile (compiled graphs, graph replays, fused segments)."""
+    run = fused.Segment.run
+
+    def recording(self, ext_arrays, call, packed_scalars):
+        out = run(self, ext_arrays, call, packed_scalars)
+        into.append((self.kind, self.executables[call[0]].last))
+        return out
+
+    fused.Segment.run = recording
+    try:
+        yield
+    finally:
+        fused.Segment.run = run
+
+
+def describe(compiled):
+    """What the table prints of one optimized program."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    text = compiled.as_text()
+    entry = text[text.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    # (name, result shape, opcode, first operand) of each instruction of the entry computation
+    lines = re.findall(r"(%[\w.-]+) = (\([^=]*?\)|\S+) ([a-z][\w-]*)\((%[\w.-]+)?", entry)
+    opcodes = collections.Counter(op for _, _, op, _ in lines)
+    params = {name for name, _, op, _ in lines if op == "parameter"}
+    return dict(flops=cost.get("flops", 0.0), bytes=cost.get("bytes accessed", 0.0),
+                fusions=opcodes["fusion"], copies=opcodes["copy"], params=len(params),
+                # fusions computing one number (per-parameter scalars: AdamW's step counters
+                # and bias corrections), copies of an input (XLA keeps the old value of a
+                # donated input that is read after its new value is written)
+                scalar_fusions=sum(op == "fusion" and re.match(r"\w+\[1?\]", shape) is not None
+                                   for _, shape, op, _ in lines),
+                input_copies=sum(op == "copy" and arg in params for _, _, op, arg in lines),
+                outputs=len(jax.tree.leaves(compiled.out_info)), text=text, programs=1)
+
+
+def total(descriptions):
+    keys = ("flops", "bytes", "fusions", "copies", "params", "outputs", "programs",
+            "scalar_fusions", "input_copies")
+    return {k: sum(d[k] for d in descriptions) for k in keys}
+
+
+def jax_step(model, idx, tgt):
+    """The hand-written step: (run one step, its loss, its Compiled)."""
+    loss_of = jax_models.loss_fn(jax_models.config_of(model))
+
+    def step(p, m, v, t, i, y):
+        loss, g = jax.value_and_grad(loss_of)(p, i, y)
+        p, m, v = jax_models.adamw(p, m, v, g, t, lr=LR)
+        return p, m, v, loss
+
+    params = jax_models.params_of(model)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    state = {"p": params, "m": zeros, "v": jax.tree.map(jnp.zeros_like, params), "t": 0}
+    ji, jt = jnp.asarray(idx.numpy()), jnp.asarray(tgt.numpy())
+    compiled = jax.jit(step, donate_argnums=(0, 1, 2)).lower(
+        state["p"], state["m"], state["v"], 1, ji, jt).compile()
+
+    def run():
+        state["t"] += 1
+        state["p"], state["m"], state["v"], state["loss"] = compiled(
+            state["p"], state["m"], state["v"], state["t"], ji, jt)
+
+    return run, lambda: state["loss"], compiled
+
+
+def tpu_step(model, idx, tgt, mode):
+    tpu_model = copy.deepcopy(model).to("tpu")
+    opt = torch.optim.AdamW(tpu_model.parameters(), lr=LR)
+    step = torch_step(tpu_model, opt, idx.to("tpu"), tgt.to("tpu"))
+    options = {"mode": "reduce-overhead"} if mode == "1-exe" else {}
+    compiled = torch.compile(step, backend="tpu", **options)
+    last = {}
+
+    def run():
+        last["loss"] = compiled()
+
+    return run, lambda: last["loss"]
+
+
+def graph_breaks(model, idx, tgt):
+    """Dynamo's graphs and break reasons for the step (on a copy: explain runs it)."""
+    tpu_model = copy.deepcopy(model).to("tpu")
+    step = torch_step(tpu_model, torch.optim.AdamW(tpu_model.parameters(), lr=LR),
+                      idx.to("tpu"), tgt.to("tpu"))
+    torch._dynamo.reset()
+    e = torch._dynamo.explain(step)()
+    reasons = []
+    for b in e.break_reasons:
+        first = b.reason.strip().splitlines()
+        where = b.user_stack[-1] if b.user_stack else None
+        reasons.append(f"{' '.join(first[:2])[:160]}"
+                       + (f" (at {os.path.basename(where.filename)}:{where.lineno})" if where else ""))
+    torch._dynamo.reset()
+    return e.graph_count, reasons
+
+
+def measure(name, a):
+    title, make, seq = MODELS[name]
+    torch.manual_seed(0)
+    model = make()
+    idx = torch.randint(0, 1024, (BATCH, seq))
+    tgt = torch.randint(0, 1024, (BATCH, seq))
+    steps, rows, losses = {}, {}, {}
+    extra = {}
+    for mode in ("1-exe", "compiled"):
+        torchtpu.clear_caches()
+        torch._dynamo.reset()
+        run, loss = tpu_step(model, idx, tgt, mode)
+        run()  # warm-up (and, for 1-exe, capture)
+        run()
+        torch.tpu.synchronize()
+        before = torchtpu.metrics()
+        ran = []
+        with programs_run(ran):
+            run()
+        torch.tpu.synchronize()
+        after = torchtpu.metrics()
+        ops = {k[4:]: after[k] - before.get(k, 0) for k in after
+               if k.startswith("op::") and after[k] != before.get(k, 0)}
+        rows[mode] = total([describe(c) for _, c in ran])
+        extra[mode] = (ran, ops)
+        steps[mode] = (run, loss, torch.tpu.synchronize)
+    jrun, jloss, jcompiled = jax_step(model, idx, tgt)
+    for _ in range(3):  # as many steps as each tpu mode has run
+        jrun()
+    rows["JAX"] = total([describe(jcompiled)])
+    steps["JAX"] = (jrun, jloss, lambda: jloss().block_until_ready())
+    count, reasons = graph_breaks(model, idx, tgt)
+
+    times = {m: [] for m in steps}
+    for _ in range(a.repeat):  # alternating, so that the machine's load hits every mode alike
+        for m, (run, _, sync) in steps.items():
+            times[m].append(time_steps(run, a.steps, sync))
+    # Every mode has now run the same number of steps from the same weights.
+    for m, (_, loss, _) in steps.items():
+        value = loss()
+        losses[m] = float(value.item() if isinstance(value, torch.Tensor) else value)
+
+    print(f"\n{title}, batch {BATCH}, AdamW(lr={LR}); {a.repeat} alternating runs of {a.steps} steps")
+    header = ("", "programs", "GFLOP", "MB accessed", "fusions", "(1-number)", "copies", "(of inputs)",
+              "params", "results", "ms/step", "x JAX", "loss")
+    print("  " + " | ".join(f"{h:>11s}" for h in header))
+    jr = rows["JAX"]
+    for m, r in rows.items():
+        ratios = [t / j for t, j in zip(times[m], times["JAX"])]
+        cells = (m, str(r["programs"]),
+                 f"{r['flops'] / 1e9:.3f} {r['flops'] / jr['flops']:.2f}x",
+                 f"{r['bytes'] / 1e6:.1f} {r['bytes'] / jr['bytes']:.2f}x",
+                 str(r["fusions"]), str(r["scalar_fusions"]), str(r["copies"]), str(r["input_copies"]),
+                 str(r["params"]), str(r["outputs"]),
+                 f"{min(times[m]):.1f}-{max(times[m]):.1f}",
+                 f"{min(ratios):.2f}-{max(ratios):.2f}", f"{losses[m]:.6f}")
+        print("  " + " | ".join(f"{c:>11s}" for c in cells))
+    ran, ops = extra["compiled"]
+    kinds = collections.Counter(k for k, _ in ran)
+    print(f"  compiled mode, a steady step: {', '.join(f'{n} {k} program(s)' for k, n in kinds.items())}"
+          f"; eager ops between them: {ops or 'none'}")
+    print(f"  Dynamo: {count} graphs; breaks: {'; '.join(reasons) or 'none'}")
+    if a.dump:
+        os.makedirs(a.dump, exist_ok=True)
+        for m, programs in (("1-exe", extra["1-exe"][0]), ("compiled", ran), ("JAX", [("jax", jcompiled)])):
+            for i, (_, c) in enumerate(programs):
+                with open(os.path.join(a.dump, f"{name}-{m}-{i}.hlo"), "w") as f:
+                    f.write(c.as_text())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="small,gpt4,llama")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dump", help="write each optimized program's HLO text under this folder")
+    a = ap.parse_args()
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; torch {torch.__version__}; "
+          f"{time.strftime('%Y-%m-%d')}")
+    for name in a.models.split(","):
+        measure(name, a)
+
+
+if __name__ == "__main__":
+    main()
