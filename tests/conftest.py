@@ -56,6 +56,16 @@ MODES = {"strict": torch.tpu.EagerMode.DEFER_NEVER,
 SELECTED = os.environ.get("TORCHTPU_TEST_MODES", "strict,fused").split(",")
 
 
+# The tests that start several processes each, the longest of the suite, run first: with two
+# workers (-n 2 --dist worksteal) one starts on them while the other takes the rest, and the
+# two end together instead of one waiting on a long test that started late.
+FIRST = ("test_distributed.py",)
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.path.name not in FIRST)  # (a stable sort)
+
+
 def pytest_generate_tests(metafunc):
     if metafunc.module.__name__.rsplit(".", 1)[-1] in MODE_MODULES:
         metafunc.parametrize("eager_mode", SELECTED, indirect=True)
