@@ -12,12 +12,12 @@ if "TORCHTPU_CACHE_DIR" not in os.environ:
 
 # Compiling is most of the suite's time (80 of the 110 s each rank of the fused FSDP scenario
 # spends), and most of compiling is LLVM optimising the machine code of XLA:CPU's programs:
-# the suite compiles them with LLVM's lightest optimisation (2.4x faster to compile a GPT step). XLA's HLO passes
-# (fusion, layouts, the programs tests inspect) are the same; only the machine code is slower
-# and may round differently where LLVM would fuse a multiply-add, which no test compares
-# across settings. Level 1, not 0: at 0 XLA:CPU's attention with a -inf mask gives NaN where
-# level 1 and 3 give PyTorch's values (jax.nn.dot_product_attention alone does it). XLA_FLAGS
-# naming the level (=3, XLA's default) runs the suite as users run their programs.
+# the suite compiles them at LLVM's level 1 of XLA's default 3 (2.4x faster to compile a GPT
+# step). XLA's HLO passes (fusion, layouts, the programs tests inspect) are the same; only
+# the machine code is slower and may round differently where LLVM would fuse a multiply-add,
+# which no test compares across settings. Level 1, not 0: at 0 XLA:CPU's attention with a
+# -inf mask gives NaN where levels 1 and 3 give PyTorch's values (jax.nn.dot_product_attention
+# alone does it). XLA_FLAGS naming the level (=3) runs the suite as users run their programs.
 SUITE_XLA_FLAGS = ("--xla_backend_optimization_level=1",)
 
 
