@@ -6,6 +6,7 @@ LOCAL_RANK, MASTER_ADDR, MASTER_PORT). Each scenario asserts; a rank that finish
 """
 import datetime
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -497,6 +498,8 @@ def scenario_fsdp_setup():
                    optim_state_dict=state["optim"])
     resumed, _ = train_clipped(fresh, data[3:], r, n, opt=fresh_opt, clip=0.5)
     trained["FSDP2 resumed from a DCP checkpoint"] = (resumed, 3)
+    if r == 0:  # (every rank has loaded it: they trained together since)
+        shutil.rmtree(path[0], ignore_errors=True)
 
     # What XLA on a TPU is given for a captured FSDP2 step, lowered here without a TPU: one
     # program holding the all-gathers and reduce-scatters among the step's matmuls.
@@ -519,6 +522,7 @@ def scenario_fsdp_setup():
     path = os.path.join(tempfile.mkdtemp(prefix="torchtpu-hlo-"), "step.mlir")
     g.debug_dump(path, platform="tpu")
     text = open(path).read()
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
     ops = {k: len(re.findall(rf"stablehlo\.{k}\b", text))
            for k in ("all_gather", "reduce_scatter", "dot_general")}
     print(f"MEASURE tpu_program rank={r} {ops}", flush=True)
@@ -600,6 +604,8 @@ def scenario_dtensor():
     set_model_state_dict(fresh, state)
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a.full_tensor().cpu(), b.full_tensor().cpu()), name
+    if r == 0:  # (every rank has loaded it: the comparisons above are collectives)
+        shutil.rmtree(path[0], ignore_errors=True)
     dist.destroy_process_group()
 
 

@@ -171,9 +171,10 @@ def test_rank_that_never_joins_fails_init_within_timeout():
 
 @pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(
     os.path.join(os.path.dirname(sys.executable), "torchrun")), reason="torchrun not installed")
-def test_torchrun_launches_unchanged_script():
+def test_torchrun_launches_unchanged_script(tmp_path):
     torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_FLAGS=xla_flags())
+    # (TMPDIR: torchrun leaves a torchelastic_* directory behind in it)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_FLAGS=xla_flags(), TMPDIR=str(tmp_path))
     out = subprocess.run([torchrun, "--nproc-per-node", "2", "--standalone", WORKER, "dtensor"],
                          env=env, capture_output=True, text=True, timeout=240, check=False)
     text = out.stdout + out.stderr
