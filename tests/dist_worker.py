@@ -519,10 +519,10 @@ def scenario_fsdp_setup():
     with torch.tpu.graph(g):
         step()
     g.replay()
-    path = os.path.join(tempfile.mkdtemp(prefix="torchtpu-hlo-"), "step.mlir")
-    g.debug_dump(path, platform="tpu")
-    text = open(path).read()
-    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="torchtpu-hlo-") as folder:
+        path = os.path.join(folder, "step.mlir")
+        g.debug_dump(path, platform="tpu")
+        text = open(path).read()
     ops = {k: len(re.findall(rf"stablehlo\.{k}\b", text))
            for k in ("all_gather", "reduce_scatter", "dot_general")}
     print(f"MEASURE tpu_program rank={r} {ops}", flush=True)
