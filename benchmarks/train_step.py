@@ -3,7 +3,12 @@ vs native torch CPU eager vs the same step written directly in JAX under one jax
 
     python benchmarks/train_step.py [--mode strict,fused,compile,graph] [--layers 4 --d-model 256
                                      --heads 4 --seq 128 --batch 8 --vocab 1024]
-                                    [--small]  (also the small GPT: 2 layers, d 128, T 64)
+                                    [--models small,gpt,llama]  (default: gpt)
+                                    [--small]  (the same as adding "small" to --models)
+
+Models: "gpt" is the GPT the size options describe; "small" the small GPT (2 layers, d 128,
+T 64); "llama" a Llama-style model (RMSNorm, RoPE, SwiGLU, grouped-query SDPA with half as many
+kv heads as heads, SwiGLU hidden 704 at d 256) of the size options' width, depth and length.
                                     [--fused-adamw]  (AdamW(fused=True) everywhere)
 
 Each mode starts from empty executable caches, so its first step shows its own warm-up (the
@@ -34,8 +39,9 @@ import jax
 import jax.numpy as jnp
 import torch
 
+import jax_models
 import torchtpu  # noqa: F401
-from torchtpu.examples.models import GPT
+from torchtpu.examples.models import GPT, Llama
 
 
 def time_steps(step, n, sync, host=None):
@@ -52,43 +58,16 @@ def time_steps(step, n, sync, host=None):
 
 
 def jax_step_fn(model):
-    """The same model and AdamW step, written in JAX (functional params)."""
-    params = {k: jnp.asarray(v.detach().numpy()) for k, v in model.state_dict().items()}
-    n_heads, n_layers = model.blocks[0].n_heads, len(model.blocks)
-
-    def ln(x, w, b):
-        m = x.mean(-1, keepdims=True)
-        v = ((x - m) ** 2).mean(-1, keepdims=True)
-        return (x - m) * jax.lax.rsqrt(v + 1e-5) * w + b
-
-    def loss_fn(p, idx, tgt):
-        B, T = idx.shape
-        x = p["tok.weight"][idx] + p["pos.weight"][jnp.arange(T)]
-        for i in range(n_layers):
-            q = f"blocks.{i}."
-            h = ln(x, p[q + "ln1.weight"], p[q + "ln1.bias"]) @ p[q + "qkv.weight"].T + p[q + "qkv.bias"]
-            C = x.shape[-1]
-            qh, kh, vh = (h[..., j * C:(j + 1) * C].reshape(B, T, n_heads, -1).transpose(0, 2, 1, 3) for j in range(3))
-            att = qh @ kh.transpose(0, 1, 3, 2) / jnp.sqrt(qh.shape[-1])
-            att = jnp.where(jnp.tril(jnp.ones((T, T), bool)), att, -jnp.inf)
-            y = (jax.nn.softmax(att, -1) @ vh).transpose(0, 2, 1, 3).reshape(B, T, C)
-            x = x + y @ p[q + "proj.weight"].T + p[q + "proj.bias"]
-            h = ln(x, p[q + "ln2.weight"], p[q + "ln2.bias"]) @ p[q + "fc.weight"].T + p[q + "fc.bias"]
-            x = x + jax.nn.gelu(h, approximate=False) @ p[q + "fc_out.weight"].T + p[q + "fc_out.bias"]
-        logits = ln(x, p["ln_f.weight"], p["ln_f.bias"]) @ p["head.weight"].T
-        logp = jax.nn.log_softmax(logits, -1)
-        return -jnp.take_along_axis(logp, tgt[..., None], -1).mean()
+    """The same model and AdamW step, written in JAX (benchmarks/jax_models.py, functional
+    params): (jitted step(p, m, v, t, idx, tgt) -> (p, m, v, loss), params, m, v)."""
+    loss_of = jax_models.loss_fn(jax_models.config_of(model))
 
     @jax.jit
     def step(p, m, v, t, idx, tgt):
-        loss, g = jax.value_and_grad(loss_fn)(p, idx, tgt)
-        b1, b2, lr, eps, wd = 0.9, 0.999, 1e-3, 1e-8, 0.01
-        m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, m, g)
-        v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, v, g)
-        c1, c2 = 1 - b1 ** t, 1 - b2 ** t
-        p = jax.tree.map(lambda p, m, v: p * (1 - lr * wd) - lr * (m / c1) / (jnp.sqrt(v / c2) + eps), p, m, v)
-        return p, m, v, loss
+        loss, g = jax.value_and_grad(loss_of)(p, idx, tgt)
+        return (*jax_models.adamw(p, m, v, g, t), loss)
 
+    params = jax_models.params_of(model)
     zeros = jax.tree.map(jnp.zeros_like, params)
     return step, params, zeros, zeros
 
@@ -122,12 +101,31 @@ def main():
                     help="with compile: skip torch.compile (inductor) on the CPU, which takes minutes")
     ap.add_argument("--fused-adamw", action="store_true",
                     help="AdamW(fused=True) (one _fused_adamw_ op) in every torch mode, the CPU's included")
+    ap.add_argument("--models", default="gpt", help="comma list of small, gpt, llama; run in this order")
     ap.add_argument("--small", action="store_true",
                     help="run the small GPT (2 layers, d_model 128, seq 64) first, in the same process")
     a = ap.parse_args()
-    if a.small:
-        run(argparse.Namespace(**{**vars(a), "layers": 2, "d_model": 128, "seq": 64}))
-    run(a)
+    models = a.models.split(",")
+    if a.small and "small" not in models:
+        models.insert(0, "small")
+    for name in models:
+        if name == "small":
+            run(argparse.Namespace(**{**vars(a), "layers": 2, "d_model": 128, "seq": 64, "kind": "gpt"}))
+        elif name in ("gpt", "llama"):
+            run(argparse.Namespace(**vars(a), kind=name))
+        else:
+            ap.error(f"unknown model {name!r}: choose from small, gpt, llama")
+
+
+def build_model(a):
+    """The model the options describe (random weights, seeded)."""
+    torch.manual_seed(0)
+    if a.kind == "llama":
+        # SwiGLU's hidden width as Llama sizes it (8/3 d rounded up to a multiple of 64): 704 at d 256.
+        hidden = -(-8 * a.d_model // 3 // 64) * 64
+        return Llama(vocab=a.vocab, d=a.d_model, layers=a.layers, heads=a.heads, hidden=hidden,
+                     kv_heads=max(1, a.heads // 2))
+    return GPT(a.vocab, a.d_model, a.heads, a.layers, a.seq)
 
 
 def graph_step(model, x, y, adamw_options):
@@ -143,8 +141,7 @@ def graph_step(model, x, y, adamw_options):
 
 
 def run(a):
-    torch.manual_seed(0)
-    model = GPT(a.vocab, a.d_model, a.heads, a.layers, a.seq)
+    model = build_model(a)
     idx = torch.randint(0, a.vocab, (a.batch, a.seq))
     tgt = torch.randint(0, a.vocab, (a.batch, a.seq))
 
@@ -218,7 +215,8 @@ def run(a):
     jax_host = []
     t_jax = time_steps(jstep, a.steps, lambda: state["loss"].block_until_ready(), jax_host)
 
-    print(f"GPT {a.layers} layers, d_model {a.d_model}, {a.heads} heads, seq {a.seq}, batch {a.batch}, "
+    kind = "GPT" if a.kind == "gpt" else f"Llama ({max(1, a.heads // 2)} kv heads)"
+    print(f"{kind} {a.layers} layers, d_model {a.d_model}, {a.heads} heads, seq {a.seq}, batch {a.batch}, "
           f"vocab {a.vocab}; AdamW{'(fused=True)' if a.fused_adamw else ''}")
     for name, (ms, _, new_compiles, waits, host) in results.items():
         label = {"compile": "compiled", "graph": "graph replay",
