@@ -142,12 +142,13 @@ def test_fused_error_names_op_and_line_and_keeps_inputs():
     x = torch.arange(5.0, device="tpu")
     with torch.tpu.set_eager_mode(FUSED):
         y = x * 2                                          # runs fine
+        line = sys._getframe().f_lineno + 1
         x.index_put_((torch.tensor([9], device="tpu"),), torch.tensor([1.0], device="tpu"))
         z = y + 1                                          # recorded after the failing op
         with pytest.raises(IndexError) as info:
             torch.tpu.synchronize()
         message = str(info.value)
-        assert "aten.index_put_" in message and "test_modes.py" in message
+        assert "aten.index_put_" in message and f"test_modes.py:{line} in test_fused_error" in message
         assert x.cpu().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
         assert y.cpu().tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
         # The checks were read at the sync, after the segment ran whole: z did not depend on

@@ -21,13 +21,23 @@ def _is_internal(filename):
 
 def user_frame(depth=2):
     """(filename, line, function) of the innermost caller outside torch and torchtpu, or None
-    (e.g. for ops run by the autograd engine's own thread)."""
-    f = sys._getframe(depth)
-    while f is not None and _is_internal(f.f_code.co_filename):
-        f = f.f_back
-    if f is None:
+    (e.g. for ops run by the autograd engine's own thread).  Fused eager records one per op,
+    so the walk is inlined (a dict lookup per frame, no call)."""
+    try:
+        f = sys._getframe(depth)
+    except ValueError:  # no frame that deep: the callers' own frames are all there is
         return None
-    return f.f_code.co_filename, f.f_lineno, f.f_code.co_name
+    known = _internal_files
+    while f is not None:
+        code = f.f_code
+        filename = code.co_filename
+        internal = known.get(filename)
+        if internal is None:
+            internal = _is_internal(filename)
+        if not internal:
+            return filename, f.f_lineno, code.co_name
+        f = f.f_back
+    return None
 
 
 def format_where(where):

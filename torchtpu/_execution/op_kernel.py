@@ -117,12 +117,13 @@ class OpKernel:
 
     def call(self, args, kwargs, mode=None):
         """Run the op in `mode` (None: the calling thread's eager mode)."""
-        vals = self.bind(args, kwargs)
-        if self.low.validate is not None:
-            self.low.validate(*[vals[i] for i in self.functional_args])
-        call = op_keys.key_of(self.args, vals, self.low.precision)
+        low = self.low
+        vals = registry.bind(self.params, args, kwargs)
+        if low.validate is not None:
+            low.validate(*[vals[i] for i in self.functional_args])
+        call = op_keys.key_of(self.args, vals, low.precision)
         scalars = call.scalars
-        if self.low.random:  # (seed, offset): drawn below, once the op's size is known
+        if low.random:  # (seed, offset): drawn below, once the op's size is known
             scalars = call.scalars = [_NO_KEY, _NO_KEY] + scalars
         compiled = self.cache.get(call.key)
         if compiled is None:
@@ -134,7 +135,7 @@ class OpKernel:
                 overlap.check(self, vals, resized=True)
         if compiled.variants is not None:
             compiled = op_programs.variant(self, compiled, vals, call, scalars)
-        if self.low.random:
+        if low.random:
             scalars[0], scalars[1] = next_key_parts(call.device, compiled.draws)
         return self.runners[mode or modes.get_eager_mode()](self, compiled, vals, call)
 
