@@ -149,14 +149,16 @@ def record(kernel, compiled, vals, buffers, scalars, device):
             if tr.mesh is not None:
                 if tr.captured:
                     raise CaptureBroken(
-                        "a captured step holds collectives of two process groups, which one program "
-                        "cannot run", FlushReason.GROUP_CHANGE, kernel.overload, debug.user_frame(3))
+                        "a captured step holds collectives of two process groups, which one "
+                        "program cannot run", FlushReason.GROUP_CHANGE, kernel.overload,
+                        debug.user_frame(3))
                 flush(FlushReason.GROUP_CHANGE)
                 in_backward = tr.in_backward
                 tr = _trace = Trace(device)
                 tr.in_backward = in_backward
             tr.mesh = mesh
-        # An input is either a slot produced earlier in this trace (>= 0) or an external array (< 0).
+        # An input is either a slot produced earlier in this trace (>= 0) or an external
+        # array (< 0).
         wiring = []
         for b in buffers:
             a = b._array

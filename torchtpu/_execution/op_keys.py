@@ -231,19 +231,11 @@ def _tensor(t, key, buffers, scalars, offsets, exact, device):
         # Nor is the stride of a size-1 dim, which addresses no other element: the last
         # token of a growing [1, L] sequence is a [1, 1] view of strides (L, 1).  Where
         # the outputs' strides follow it (clone keeps them), `variants` gives each its own.
-        shape = t.shape
         stride = t.stride()
-        if 1 in shape:
+        if 1 in t.shape:
             exact.append(stride)
-            stride = _size_one_strides(shape, stride)
-        # layout_key, inlined: this runs for every tensor of every op
-        j = buffers.positions.get(buf)
-        if j is None:
-            j = buffers.position(buf)
-        if t.is_conj() or t.is_neg():
-            key.append((t.dtype, shape, stride, offset, j, t.is_conj(), t.is_neg()))
-        else:
-            key.append((t.dtype, shape, stride, offset, j))
+            stride = _size_one_strides(t.shape, stride)
+        key.append(layout_key(t, buf, buffers, offset, stride))
     elif t.dim() == 0 and t.device.type == "cpu":
         # A 0-dim CPU tensor mixes with device tensors (as with CUDA): its value is traced.
         key.append(("cpu", t.dtype, is_wrapped_number(t)))
