@@ -19,6 +19,20 @@ from conftest import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# The model of the steps below: an MLP whose hidden rows attend to each other, so that SDPA
+# (torchtpu's own op, `torchtpu::attention`) is in every program: its executables were once
+# never stored, and every segment holding one was rebuilt in each process.
+MODEL = r"""
+import torch
+class Attend(torch.nn.Module):
+    def forward(self, h):
+        return torch.nn.functional.scaled_dot_product_attention(h[None], h[None], h[None],
+                                                                is_causal=True)[0]
+def make_model():
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), Attend(),
+                               torch.nn.Linear(32, 4))
+"""
+
 # A small training step (forward, cross-entropy, backward, AdamW) for 3 steps; prints the
 # metrics that matter and saves the losses and parameters.
 STEP = r"""
@@ -31,7 +45,7 @@ if len(sys.argv) > 3:
     torchtpu._core.version.VERSION = sys.argv[3]  # what another release would be
 torch.tpu.eager_mode = "fused" if mode == "fused" else "strict"
 torch.manual_seed(0)
-m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).to("tpu")
+m = make_model().to("tpu")
 opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
 x, y = torch.randn(8, 16).to("tpu"), torch.randint(0, 4, (8,)).to("tpu")
 def step():
@@ -58,7 +72,7 @@ print("METRICS", *(c.get(k, 0) for k in ("executables_compiled", "executables_lo
 def _start(tmp_path, mode, name, cache_dir=None, version=None):
     env = {**os.environ, "TORCHTPU_CACHE_DIR": str(cache_dir or tmp_path / "cache"),
            "PYTHONPATH": ROOT}
-    args = [sys.executable, "-c", STEP, mode, str(tmp_path / f"{name}.npy")]
+    args = [sys.executable, "-c", MODEL + STEP, mode, str(tmp_path / f"{name}.npy")]
     return subprocess.Popen(args + ([version] if version else []), env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -82,8 +96,10 @@ def _bits(tmp_path, name):
 
 def _reference():
     """The same 3 steps on the CPU."""
+    model = {}
+    exec(MODEL, model)
     torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    m = model["make_model"]()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
     losses = []

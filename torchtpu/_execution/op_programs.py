@@ -172,9 +172,11 @@ def _persistent_key(kernel, key):
     """The key of this op's executable across processes, or None to keep it in memory
     only: a lowering from outside torchtpu, torch and jax (a user's jax_op, a custom op)
     can change between runs without any version saying so (torch's decompositions and
-    jnp functions are covered by their versions, ours by the source digest)."""
+    jnp functions are covered by their versions, ours by the source digest).  torchtpu's
+    own ops (`torchtpu::attention`, which every SDPA runs, `grouped_mm`, ...) are ours; a
+    user's jax_op lives in `torchtpu_jax`, not kept."""
     module = getattr(kernel.low.fn, "__module__", None) or ""
-    if (kernel.overload.namespace not in ("aten", "prims")
+    if (kernel.overload.namespace not in ("aten", "prims", "torchtpu")
             or not module.startswith(("torchtpu.", "torch.", "jax."))):
         return None
     return executables.stable((str(kernel.overload), key))
