@@ -115,6 +115,18 @@ def loss_fn(config, block=None):
     return loss
 
 
+def train_step(model, lr=1e-3):
+    """The training step of the torch `model` in JAX, unjitted: step(p, m, v, t, idx, tgt) ->
+    (p, m, v, loss), forward, backward and `adamw` (t counts from 1)."""
+    loss_of = loss_fn(config_of(model))
+
+    def step(p, m, v, t, idx, tgt):
+        loss, g = jax.value_and_grad(loss_of)(p, idx, tgt)
+        return (*adamw(p, m, v, g, t, lr=lr), loss)
+
+    return step
+
+
 def adamw(p, m, v, g, t, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, wd=0.01):
     """torch.optim.AdamW's update (its defaults but the lr) on pytrees; t counts from 1."""
     m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, m, g)

@@ -103,13 +103,7 @@ def total(descriptions):
 
 def jax_step(model, idx, tgt):
     """The hand-written step: (run one step, its loss, its Compiled)."""
-    loss_of = jax_models.loss_fn(jax_models.config_of(model))
-
-    def step(p, m, v, t, i, y):
-        loss, g = jax.value_and_grad(loss_of)(p, i, y)
-        p, m, v = jax_models.adamw(p, m, v, g, t, lr=LR)
-        return p, m, v, loss
-
+    step = jax_models.train_step(model, lr=LR)
     params = jax_models.params_of(model)
     zeros = jax.tree.map(jnp.zeros_like, params)
     state = {"p": params, "m": zeros, "v": jax.tree.map(jnp.zeros_like, params), "t": 0}

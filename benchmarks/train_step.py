@@ -60,16 +60,9 @@ def time_steps(step, n, sync, host=None):
 def jax_step_fn(model):
     """The same model and AdamW step, written in JAX (benchmarks/jax_models.py, functional
     params): (jitted step(p, m, v, t, idx, tgt) -> (p, m, v, loss), params, m, v)."""
-    loss_of = jax_models.loss_fn(jax_models.config_of(model))
-
-    @jax.jit
-    def step(p, m, v, t, idx, tgt):
-        loss, g = jax.value_and_grad(loss_of)(p, idx, tgt)
-        return (*jax_models.adamw(p, m, v, g, t), loss)
-
     params = jax_models.params_of(model)
     zeros = jax.tree.map(jnp.zeros_like, params)
-    return step, params, zeros, zeros
+    return jax.jit(jax_models.train_step(model)), params, zeros, zeros
 
 
 def torch_step(m, opt, x, y):
