@@ -32,9 +32,14 @@ def _coordinator_host():
         return "127.0.0.1"
 
 
-def _shut_down_runtime():
-    from .._core import runtime
-    from .._execution import fused, kernels, op_keys
+def refuse_if_too_late(world_size):
+    """Raise if JAX's multi-process runtime can no longer start in this process (a tpu tensor
+    exists).  The process group asks before it connects to any other rank: a rank that raised
+    after connecting left the others' connections failing instead of raising the same."""
+    from jax._src import xla_bridge
+    if world_size == 1 or _initialized or not xla_bridge.backends_are_initialized():
+        return
+    from .._execution import op_keys
     op_keys.clear_scalars()  # device copies of Python scalars, not tensors
     if jax.live_arrays():
         raise RuntimeError(
@@ -42,6 +47,11 @@ def _shut_down_runtime():
             "creates its first tpu tensor: JAX's multi-process runtime can only start before "
             "the device runtime does. Move init_process_group above the first tpu tensor "
             "(torch.tpu queries such as device_count() may come before it).")
+
+
+def _shut_down_runtime():
+    from .._core import runtime
+    from .._execution import fused, kernels
     kernels.clear_caches()  # executables built for the old runtime's devices
     fused.clear_cache()
     runtime._devices = runtime._platform = None
@@ -59,6 +69,7 @@ def initialize(store, rank, world_size, timeout):
         return
     from jax._src import xla_bridge
     if xla_bridge.backends_are_initialized():
+        refuse_if_too_late(world_size)
         _shut_down_runtime()
     key = "torchtpu/jax_coordinator"
     if rank == 0:

@@ -163,6 +163,8 @@ class ProcessGroupTPU(dist.ProcessGroup):
         self._timeout = timeout
         self._name = str(group_name)
         self._broken = None
+        if not global_ranks:
+            launch.refuse_if_too_late(size)  # before connecting: every rank raises alike
         self._cpu = dist.ProcessGroupGloo(
             dist.PrefixStore("torchtpu-gloo/", store), rank, size, timeout)
         if not global_ranks:  # the default (world) group starts JAX's multi-process runtime
