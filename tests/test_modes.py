@@ -223,6 +223,33 @@ def test_fused_donates_only_arrays_nothing_else_holds():
     assert x.cpu().tolist() == [4.0] * 4 and y.cpu().tolist() == [4.0] * 4
 
 
+def test_fused_segment_makes_the_zeros_of_unwritten_storages_itself():
+    """`zeros` is an unwritten storage (`empty`, read as zeros): an op of a segment that reads
+    one (a slice's copy_ into it, as every slice's backward does; `ones`'s fill_) gets zeros
+    made inside the segment, not a transfer or program of their own before it."""
+    a = torch.randn(3, 4)
+    y = a.to("tpu")
+    torch.tpu.synchronize()
+    with torch.tpu.set_eager_mode(FUSED):
+        before = counts("zeros_materialized", "flushes")
+        z = torch.zeros(5, 4, device="tpu")
+        z[1:4] = y
+        out = z * 2 + torch.ones(5, 4, device="tpu")
+        grad, = torch.autograd.grad(y.requires_grad_()[:, 1:].sum() * 3, y)
+        y.requires_grad_(False)
+        torch.tpu.synchronize()
+        assert counts("zeros_materialized", "flushes")[0] == before[0]
+        assert counts("zeros_materialized", "flushes")[1] > before[1]
+    expected = torch.zeros(5, 4)
+    expected[1:4] = a
+    torch.testing.assert_close(out.cpu(), expected * 2 + 1)
+    torch.testing.assert_close(grad.cpu(), torch.tensor([[0.0, 3, 3, 3]] * 3))
+    torch.tpu.synchronize()
+    before = counts("zeros_materialized")[0]
+    empty = torch.empty(6, device="tpu")  # read outside a segment: zeros of its own
+    assert empty.cpu().tolist() == [0.0] * 6 and counts("zeros_materialized")[0] == before + 1
+
+
 def test_fused_training_step_donates_parameters_and_optimizer_state():
     """The forward's index checks (embedding, the loss's targets) keep its segment from donating
     its inputs; the backward starts a segment of its own, which with the optimizer step donates

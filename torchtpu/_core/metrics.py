@@ -75,7 +75,8 @@ def span(name):
 
 _SECTIONS = [
     ("Execution", ["ops", "fused_ops", "compiles", "flushes", "segment_compiles",
-                   "segment_cache_hits", "donated_buffers", "syncs", "blocking_waits",
+                   "segment_cache_hits", "donated_buffers", "zeros_materialized", "syncs",
+                   "blocking_waits",
                    "executable_evictions", "segment_evictions", "index_ops_on_host"]),
     ("torch.compile", ["graph_captures", "graph_recompiles", "graph_compiles", "graph_cache_hits",
                        "graph_eager_runs", "capture_seconds", "graph_evictions"]),
@@ -102,6 +103,7 @@ _EXPLAINED = {
     "segment_evictions": "fused segments dropped by the cache bound (LRU)",
     "index_ops_on_host": "small index ops of new patterns run by PyTorch's CPU kernel",
     "donated_buffers": "input arrays consumed in place by segments/graphs",
+    "zeros_materialized": "unwritten (`empty`) storages given zeros of their own to be read",
     "syncs": "data-dependent ops that waited for values",
     "blocking_waits": "times the host waited for the device (sync, .item(), .cpu(), debug mode)",
     "graph_captures": "compiled graphs captured (one per input layout)",

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from . import runtime
+from . import metrics, runtime
 from .dtypes import to_jax_dtype
 from .metrics import FlushReason
 
@@ -166,6 +166,7 @@ def use_zeros_executable(zeros):
 
 
 def _zeros_for(nbytes, dtype, index):
+    metrics.counters["zeros_materialized"] += 1
     n = nbytes // dtype.itemsize
     if nbytes <= _HOST_ZEROS_BYTES or _zeros is None:
         return jax.device_put(np.zeros(n, dtype), runtime.jax_device(index))

@@ -157,8 +157,8 @@ def record(kernel, compiled, vals, buffers, scalars, device):
                 tr = _trace = Trace(device)
                 tr.in_backward = in_backward
             tr.mesh = mesh
-        # An input is either a slot produced earlier in this trace (>= 0) or an external
-        # array (< 0).
+        # An input is a slot produced earlier in this trace (>= 0), an external array (< 0)
+        # or the zeros of an unwritten storage (zeros_wire).
         wiring = []
         for b in buffers:
             a = b._array
@@ -166,6 +166,13 @@ def record(kernel, compiled, vals, buffers, scalars, device):
                 wiring.append(a.slot)
                 continue
             if tr.ext_buffers is None:
+                if a is None and b.dtype is not None:
+                    # Unwritten (`empty`: reads as zeros): the segment makes the zeros itself,
+                    # where XLA fuses them into what writes over them, instead of a program
+                    # (or host transfer) per storage before it (`zeros` + a slice's copy_ in
+                    # every slice's backward; `ones_like`'s fill_).
+                    wiring.append(zeros_wire(b))
+                    continue
                 a = b.value()
                 ident = id(a)
             else:  # a capture reads storages at replay: a value still to come need not wait
@@ -713,7 +720,7 @@ def segment_function(signature, outputs, scalar_types, guarded, order):
         checks = []
         pos = 0
         for compiled, wiring, n_scalars in signature:
-            ins = [slots[w] if w >= 0 else ext[-1 - w] for w in wiring]
+            ins = wired(wiring, slots, ext)
             outs, updated, op_checks = compiled.run(*ins, *scalars[pos:pos + n_scalars])
             pos += n_scalars
             slots.extend(_rounded_half(outs))
@@ -729,6 +736,18 @@ def segment_function(signature, outputs, scalar_types, guarded, order):
         return results, checks
 
     return segment
+
+
+def zeros_wire(buf):
+    """An op's input that is an unwritten storage: its zeros, made inside the segment."""
+    return ("zeros", buf.nbytes // np.dtype(buf.dtype).itemsize, np.dtype(buf.dtype).name)
+
+
+def wired(wiring, slots, ext):
+    """An op's inputs: an earlier op's result (slot >= 0), an external array (< 0) or zeros
+    (zeros_wire)."""
+    return [(slots[w] if w >= 0 else ext[-1 - w]) if type(w) is int else jnp.zeros(w[1], w[2])
+            for w in wiring]
 
 
 def all_passed(checks):
@@ -754,7 +773,7 @@ def _replay_and_raise(tr, reason):
     pos = 0
     for i, (compiled, wiring, n_scalars) in enumerate(tr.signature):
         kernel, where = tr.where[i]
-        ins = [slots[w] if w >= 0 else tr.ext_arrays[-1 - w] for w in wiring]
+        ins = wired(wiring, slots, tr.ext_arrays)
         try:
             outs, updated, checks = compiled.fn(*ins, *tr.scalars[pos:pos + n_scalars])
             error = compiled.check_error(checks) if checks else None
