@@ -224,26 +224,45 @@ def test_fused_donates_only_arrays_nothing_else_holds():
 
 
 def test_fused_segment_makes_the_zeros_of_unwritten_storages_itself():
-    """`zeros` is an unwritten storage (`empty`, read as zeros): an op of a segment that reads
-    one (a slice's copy_ into it, as every slice's backward does; `ones`'s fill_) gets zeros
-    made inside the segment, not a transfer or program of their own before it."""
+    """`zeros` is an unwritten storage (`empty`, read as zeros).  An op of a segment that reads
+    one that is gone by the flush (a slice's copy_ into it, as every slice's backward does;
+    `ones`'s fill_) gets zeros made inside the segment, not a transfer or program of their own
+    before it; one still held then (an optimizer's state) is an array of zeros, as it is an
+    array when the same code runs again: both runs are one segment."""
     a = torch.randn(3, 4)
-    y = a.to("tpu")
-    torch.tpu.synchronize()
-    with torch.tpu.set_eager_mode(FUSED):
-        before = counts("zeros_materialized", "flushes")
+    y, three = a.to("tpu"), torch.tensor(3.0).to("tpu")
+
+    def padded():
         z = torch.zeros(5, 4, device="tpu")
         z[1:4] = y
-        out = z * 2 + torch.ones(5, 4, device="tpu")
-        grad, = torch.autograd.grad(y.requires_grad_()[:, 1:].sum() * 3, y)
-        y.requires_grad_(False)
-        torch.tpu.synchronize()
-        assert counts("zeros_materialized", "flushes")[0] == before[0]
-        assert counts("zeros_materialized", "flushes")[1] > before[1]
+        return z * 2 + torch.ones(5, 4, device="tpu")
+
+    torch.tpu.synchronize()
     expected = torch.zeros(5, 4)
     expected[1:4] = a
-    torch.testing.assert_close(out.cpu(), expected * 2 + 1)
-    torch.testing.assert_close(grad.cpu(), torch.tensor([[0.0, 3, 3, 3]] * 3))
+    with torch.tpu.set_eager_mode(FUSED):
+        before = counts("zeros_materialized", "flushes")
+        out = padded()
+        # The slice's backward is zeros and a copy_ into them, which the next op's backward
+        # reads (a leaf's gradient would be those zeros, kept).
+        grad, = torch.autograd.grad((y.requires_grad_() * 1.0)[:, 1:].sum(), y, three)
+        y.requires_grad_(False)
+        torch.tpu.synchronize()
+        assert counts("zeros_materialized", "flushes") == (before[0], before[1] + 2)
+        torch.testing.assert_close(out.cpu(), expected * 2 + 1)
+        torch.testing.assert_close(grad.cpu(), torch.tensor([[0.0, 3, 3, 3]] * 3))
+
+        fused.clear_cache()
+        before = counts("zeros_materialized", "segment_compiles", "segment_cache_hits")
+        state = None
+        for _ in range(2):
+            if state is None:
+                state = torch.zeros(3, 4, device="tpu")  # kept, as an optimizer keeps its state
+            state.mul_(0.5).add_(y)
+            torch.tpu.synchronize()
+        assert counts("zeros_materialized", "segment_compiles", "segment_cache_hits") == (
+            before[0] + 1, before[1] + 1, before[2] + 1)
+        torch.testing.assert_close(state.cpu(), a * 1.5)
     torch.tpu.synchronize()
     before = counts("zeros_materialized")[0]
     empty = torch.empty(6, device="tpu")  # read outside a segment: zeros of its own

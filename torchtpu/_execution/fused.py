@@ -58,7 +58,7 @@ def _rounded_half(values):
 class Trace:
     __slots__ = ("device", "signature", "where", "ext_arrays", "ext_ids", "scalars", "pendings",
                  "captured", "in_backward", "ran_backward", "ext_buffers", "ext_queued", "mesh",
-                 "abstract")
+                 "abstract", "unwritten")
 
     def __init__(self, device):
         self.device = device
@@ -83,6 +83,9 @@ class Trace:
         # A capture that only describes the storages nothing wrote yet (it is lowered, never
         # run: torchtpu.scaling costs a step of a model materialised without memory).
         self.abstract = False
+        # External index -> [storage (weakly), (op, input) positions reading it] of the
+        # unwritten storages read (_zeros_input): their inputs are settled at the flush.
+        self.unwritten = {}
 
     def flush(self, reason):
         """Run the pending trace: a `Pending` value of this trace is being read."""
@@ -113,6 +116,7 @@ class Trace:
         self.ext_arrays.clear()
         self.ext_ids.clear()
         self.pendings.clear()
+        self.unwritten.clear()
 
 
 # One trace for the process, recorded and flushed under one lock: threads in fused mode append
@@ -157,8 +161,9 @@ def record(kernel, compiled, vals, buffers, scalars, device):
                 tr = _trace = Trace(device)
                 tr.in_backward = in_backward
             tr.mesh = mesh
-        # An input is a slot produced earlier in this trace (>= 0), an external array (< 0)
-        # or the zeros of an unwritten storage (zeros_wire).
+        # An input is either a slot produced earlier in this trace (>= 0) or an external
+        # array (< 0); at the flush, the zeros of an unwritten storage may become a third kind
+        # (_settle_zeros).
         wiring = []
         for b in buffers:
             a = b._array
@@ -166,12 +171,8 @@ def record(kernel, compiled, vals, buffers, scalars, device):
                 wiring.append(a.slot)
                 continue
             if tr.ext_buffers is None:
-                if a is None and b.dtype is not None:
-                    # Unwritten (`empty`: reads as zeros): the segment makes the zeros itself,
-                    # where XLA fuses them into what writes over them, instead of a program
-                    # (or host transfer) per storage before it (`zeros` + a slice's copy_ in
-                    # every slice's backward; `ones_like`'s fill_).
-                    wiring.append(zeros_wire(b))
+                if a is None and b.dtype is not None:  # unwritten: see _settle_zeros
+                    wiring.append(-1 - _zeros_input(tr, b, len(tr.signature), len(wiring)))
                     continue
                 a = b.value()
                 ident = id(a)
@@ -271,6 +272,8 @@ def stop_capture(tr, previous):
     intact = _trace is tr
     if intact:
         _trace = None
+        if tr.unwritten:
+            _settle_zeros(tr)
     set_thread_mode(previous)
     return intact
 
@@ -336,6 +339,8 @@ def _flush(tr, reason, op):
     if tr.captured:
         raise CaptureBroken(f"the ops being captured had to run part-way ({reason}"
                             f"{', ' + str(op) if op else ''})", reason, op, debug.user_frame(2))
+    if tr.unwritten:
+        _settle_zeros(tr)
     counters = metrics.counters
     counters["fused_ops"] += len(tr.signature)
     for kernel, _ in tr.where:
@@ -738,15 +743,58 @@ def segment_function(signature, outputs, scalar_types, guarded, order):
     return segment
 
 
-def zeros_wire(buf):
-    """An op's input that is an unwritten storage: its zeros, made inside the segment."""
-    return ("zeros", buf.nbytes // np.dtype(buf.dtype).itemsize, np.dtype(buf.dtype).name)
+def _zeros_input(tr, buf, op, position):
+    """The external input standing for an unwritten storage (made by `empty` or `zeros`: it
+    reads as zeros) that op `op` reads as its input `position`; what it is, _settle_zeros
+    decides at the flush."""
+    key = ("unwritten", id(buf))
+    k = tr.ext_ids.get(key)
+    if k is None or tr.unwritten[k][0]() is not buf:  # (another storage, since freed, had its id)
+        k = tr.ext_ids[key] = len(tr.ext_arrays)
+        tr.ext_arrays.append(None)
+        dtype = np.dtype(buf.dtype)
+        tr.unwritten[k] = (weakref.ref(buf), (buf.nbytes // dtype.itemsize, dtype.name), [])
+    tr.unwritten[k][2].append((op, position))
+    return k
+
+
+def _settle_zeros(tr):
+    """The inputs that stand for unwritten storages (_zeros_input).  One that outlives the
+    segment (an optimizer's state, made by zeros_like in its first step) is read as an array by
+    the next run of the same code, so it is an array of zeros here too: both runs are one
+    segment, compiled once.  The others (the zeros of every slice's backward, a `ones_like`'s
+    fill_, `_to_copy`'s destination) are zeros made inside the segment, where XLA fuses them
+    into what writes over them, instead of a program or host transfer each before it, which
+    blocked the host behind the segments running (a Llama step's fused host time: 175 ms, 29 ms
+    with them made inside); their input is then a placeholder of no elements.  A capture's
+    (a compiled graph's) are all made inside: its storages are new at every run."""
+    for k, (ref, zeros, readers) in tr.unwritten.items():
+        buf = ref()
+        if buf is not None and not tr.captured:
+            tr.ext_arrays[k] = storage._zeros_for(buf.nbytes, np.dtype(zeros[1]), buf.index)
+            continue
+        tr.ext_arrays[k] = _placeholder(zeros[1], tr.device)
+        for op, position in readers:
+            program, wiring, n = tr.signature[op]
+            tr.signature[op] = (program, wiring[:position] + (zeros,) + wiring[position + 1:], n)
+    tr.unwritten.clear()
+
+
+_placeholders = {}
+
+
+def _placeholder(dtype, device):
+    key = (dtype, device)
+    a = _placeholders.get(key)
+    if a is None:
+        a = _placeholders[key] = jax.device_put(np.zeros(0, dtype), runtime.jax_device(device))
+    return a
 
 
 def wired(wiring, slots, ext):
     """An op's inputs: an earlier op's result (slot >= 0), an external array (< 0) or zeros
-    (zeros_wire)."""
-    return [(slots[w] if w >= 0 else ext[-1 - w]) if type(w) is int else jnp.zeros(w[1], w[2])
+    (a pair of size and dtype name, _settle_zeros)."""
+    return [(slots[w] if w >= 0 else ext[-1 - w]) if type(w) is int else jnp.zeros(*w)
             for w in wiring]
 
 
