@@ -83,8 +83,8 @@ class Trace:
         # A capture that only describes the storages nothing wrote yet (it is lowered, never
         # run: torchtpu.scaling costs a step of a model materialised without memory).
         self.abstract = False
-        # External index -> [storage (weakly), (op, input) positions reading it] of the
-        # unwritten storages read (_zeros_input): their inputs are settled at the flush.
+        # External index -> (storage, weakly; (size, dtype name); the (op, input) positions
+        # reading it) of each unwritten storage read (_zeros_input), settled at the flush.
         self.unwritten = {}
 
     def flush(self, reason):
@@ -749,7 +749,10 @@ def _zeros_input(tr, buf, op, position):
     decides at the flush."""
     key = ("unwritten", id(buf))
     k = tr.ext_ids.get(key)
-    if k is None or tr.unwritten[k][0]() is not buf:  # (another storage, since freed, had its id)
+    entry = tr.unwritten.get(k)
+    # (None: another storage, since freed, had its id, or this one's input was settled by a
+    # flush that was interrupted and put the trace back)
+    if entry is None or entry[0]() is not buf:
         k = tr.ext_ids[key] = len(tr.ext_arrays)
         tr.ext_arrays.append(None)
         dtype = np.dtype(buf.dtype)
