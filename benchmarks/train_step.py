@@ -233,10 +233,11 @@ def run(a):
         speedups = [results["strict"][0] / results["fused"][0]]
         for _ in range(a.repeat - 1):
             ms = {}
-            for name, (step, mode) in eager_steps.items():
+            for name, (eager_step, mode) in eager_steps.items():
                 with torch.tpu.set_eager_mode(mode):
-                    ms[name] = time_steps(step, a.steps, torch.tpu.synchronize)
+                    ms[name] = time_steps(eager_step, a.steps, torch.tpu.synchronize)
             speedups.append(ms["strict"] / ms["fused"])
+            print(f"  [strict {ms['strict']:.1f}, fused {ms['fused']:.1f} ms/step]", flush=True)
         print(f"  fused speed-up over strict: {speedups[0]:.2f}x; {min(speedups):.2f}-"
               f"{max(speedups):.2f}x over {len(speedups)} alternating runs (target >= 1.5x)")
     if "compile" in results:

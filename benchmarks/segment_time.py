@@ -1,0 +1,98 @@
+"""The programs of a fused eager training step timed alone, beside the hand-written `jax.jit`
+step of the same model: how much of fused eager's step is its programs' compute, and how much
+the host's recording and dispatch around them.
+
+    python benchmarks/segment_time.py [--models small,gpt,llama] [--runs 10]
+
+Each segment of one steady step (after 3 warm-up steps) is run `--runs` times on copies of the
+inputs it read, without donation, waiting for each run; it prints the median per segment, their
+sum, the JAX step's median (timed the same way) and the fused step's own time per step.
+Models as in benchmarks/train_step.py (batch 8, AdamW(lr=1e-3)).
+"""
+import argparse
+import copy
+import os
+import time
+
+os.environ.setdefault("TORCHTPU_CACHE_DIR", "")  # cold: the programs are built here
+
+import jax
+import jax.numpy as jnp
+import torch
+
+import torchtpu  # noqa: F401
+from torchtpu._execution import fused
+from train_step import build_model, jax_step_fn, torch_step
+
+SIZES = {"small": dict(kind="gpt", layers=2, d_model=128, seq=64),
+         "gpt": dict(kind="gpt", layers=4, d_model=256, seq=128),
+         "llama": dict(kind="llama", layers=4, d_model=256, seq=128)}
+
+
+def median_ms(call, runs):
+    jax.block_until_ready(call())
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def measure(name, runs):
+    a = argparse.Namespace(heads=4, vocab=1024, batch=8, **SIZES[name])
+    model = build_model(a)
+    idx = torch.randint(0, a.vocab, (a.batch, a.seq))
+    tgt = torch.randint(0, a.vocab, (a.batch, a.seq))
+    ran = []
+    run = fused.Segment.run
+
+    def noting(segment, ext, call, packed):  # the inputs as they were before a run consumed them
+        ran.append((segment, [jnp.array(x, copy=True) for x in ext], packed))
+        return run(segment, ext, call, packed)
+
+    with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+        tpu_model = copy.deepcopy(model).to("tpu")
+        step = torch_step(tpu_model, torch.optim.AdamW(tpu_model.parameters(), lr=1e-3),
+                          idx.to("tpu"), tgt.to("tpu"))
+        for _ in range(3):
+            step()
+        torch.tpu.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(runs):
+            step()
+        torch.tpu.synchronize()
+        fused_ms = (time.perf_counter() - t0) / runs * 1e3
+        fused.Segment.run = noting
+        try:
+            step()
+            torch.tpu.synchronize()
+        finally:
+            fused.Segment.run = run
+    print(f"{name}: fused eager step {fused_ms:.1f} ms")
+    total = 0.0
+    for segment, ext, packed in ran:
+        keep = (False,) * len(ext)
+        executable = segment._make(keep)
+        donated, kept = segment.order(keep).split(ext)
+        ms = median_ms(lambda: executable(donated, kept, packed), runs)
+        total += ms
+        print(f"  {segment.name}: {ms:.1f} ms alone")
+    jax_step, p, m, v = jax_step_fn(model)
+    ji, jt = jnp.asarray(idx.numpy()), jnp.asarray(tgt.numpy())
+    jax_ms = median_ms(lambda: jax_step(p, m, v, 1, ji, jt), runs)
+    print(f"  segments together {total:.1f} ms; JAX's step {jax_ms:.1f} ms "
+          f"(segments x JAX {total / jax_ms:.2f}x; fused step x its segments {fused_ms / total:.2f}x)")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="small,gpt,llama")
+    ap.add_argument("--runs", type=int, default=10)
+    a = ap.parse_args()
+    for name in a.models.split(","):
+        measure(name, a.runs)
+
+
+if __name__ == "__main__":
+    main()
