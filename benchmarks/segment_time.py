@@ -6,10 +6,13 @@ the host's recording and dispatch around them.
 
 Each segment of one steady step (after 3 warm-up steps) is run `--runs` times on copies of the
 inputs it read, without donation, waiting for each run; it prints the median per segment, their
-sum, the JAX step's median (timed the same way) and the fused step's own time per step.
+sum, the JAX step's median (timed the same way) and the fused step's own time per step, with
+the CPU time its threads used per step (XLA's compute threads, the Python thread, the autograd
+engine's): on a CPU the host's work and the programs share the cores.
 Models as in benchmarks/train_step.py (batch 8, AdamW(lr=1e-3)).
 """
 import argparse
+import collections
 import copy
 import os
 import time
@@ -27,6 +30,26 @@ from train_step import build_model, jax_step_fn, torch_step
 SIZES = {"small": dict(kind="gpt", layers=2, d_model=128, seq=64),
          "gpt": dict(kind="gpt", layers=4, d_model=256, seq=128),
          "llama": dict(kind="llama", layers=4, d_model=256, seq=128)}
+
+
+def thread_cpu_ms():
+    """{thread name: CPU ms} of this process's threads (Linux; {} elsewhere)."""
+    totals = collections.Counter()
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return totals
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # a thread that ended meanwhile
+            continue
+        totals[name] += (int(fields[11]) + int(fields[12])) / tick * 1e3  # utime + stime
+    return totals
 
 
 def median_ms(call, runs):
@@ -58,18 +81,22 @@ def measure(name, runs):
         for _ in range(3):
             step()
         torch.tpu.synchronize()
+        cpu0 = thread_cpu_ms()
         t0 = time.perf_counter()
         for _ in range(runs):
             step()
         torch.tpu.synchronize()
         fused_ms = (time.perf_counter() - t0) / runs * 1e3
+        cpu = thread_cpu_ms()
+        cpu = {name: (ms - cpu0.get(name, 0)) / runs for name, ms in cpu.items()}
         fused.Segment.run = noting
         try:
             step()
             torch.tpu.synchronize()
         finally:
             fused.Segment.run = run
-    print(f"{name}: fused eager step {fused_ms:.1f} ms")
+    busy = ", ".join(f"{n} {ms:.1f}" for n, ms in sorted(cpu.items(), key=lambda i: -i[1]) if ms >= 0.5)
+    print(f"{name}: fused eager step {fused_ms:.1f} ms; CPU ms per step by thread: {busy}")
     total = 0.0
     for segment, ext, packed in ran:
         keep = (False,) * len(ext)
