@@ -140,7 +140,7 @@ class DeviceBuffer:
             return a
         a = self.array
         if a is None:
-            a = self.array = _zeros_for(self.nbytes, jnp.dtype(self.dtype), self.index)
+            a = self.array = zeros_for(self.nbytes, jnp.dtype(self.dtype), self.index)
         return a
 
 
@@ -165,7 +165,8 @@ def use_zeros_executable(zeros):
     _zeros = zeros
 
 
-def _zeros_for(nbytes, dtype, index):
+def zeros_for(nbytes, dtype, index):
+    """The array of an unwritten storage of `nbytes` (its elements read as zeros)."""
     metrics.counters["zeros_materialized"] += 1
     n = nbytes // dtype.itemsize
     if nbytes <= _HOST_ZEROS_BYTES or _zeros is None:

@@ -774,7 +774,7 @@ def _settle_zeros(tr):
     for k, (ref, zeros, readers) in tr.unwritten.items():
         buf = ref()
         if buf is not None and not tr.captured:
-            tr.ext_arrays[k] = storage._zeros_for(buf.nbytes, np.dtype(zeros[1]), buf.index)
+            tr.ext_arrays[k] = storage.zeros_for(buf.nbytes, np.dtype(zeros[1]), buf.index)
             continue
         tr.ext_arrays[k] = _placeholder(zeros[1], tr.device)
         for op, position in readers:
