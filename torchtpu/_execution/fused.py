@@ -771,18 +771,15 @@ def _settle_zeros(tr):
     blocked the host behind the segments running (a Llama step's fused host time: 175 ms, 29 ms
     with them made inside); their input is then a placeholder of no elements.  A capture's
     (a compiled graph's) are all made inside: its storages are new at every run.
-    Not in a segment that holds collectives (`tr.mesh`): there, zeros made inside gave FSDP2's
-    training (reshard_after_forward, fused eager) a wrong loss at its second step, and the
-    cause is not found yet (test_ddp_and_fsdp2_train_like_one_process[fused]; the zeros' values
-    are right, since an array of zeros passed beside them changed nothing)."""
+    A segment that holds collectives (`tr.mesh`) gets arrays of zeros for all of them: zeros
+    made inside gave FSDP2's training (reshard_after_forward, fused eager) a wrong loss at its
+    second step, and the cause is not found yet (test_ddp_and_fsdp2_train_like_one_process
+    [fused]; it failed as well with an array of zeros also passed at the same input, so the
+    zeros' values were right)."""
     for k, (ref, zeros, readers) in tr.unwritten.items():
-        buf = ref()
-        if tr.mesh is not None:
-            tr.ext_arrays[k] = storage.zeros_for(zeros[0] * np.dtype(zeros[1]).itemsize,
-                                                 np.dtype(zeros[1]), tr.device)
-            continue
-        if buf is not None and not tr.captured:
-            tr.ext_arrays[k] = storage.zeros_for(buf.nbytes, np.dtype(zeros[1]), buf.index)
+        if tr.mesh is not None or (ref() is not None and not tr.captured):
+            dtype = np.dtype(zeros[1])
+            tr.ext_arrays[k] = storage.zeros_for(zeros[0] * dtype.itemsize, dtype, tr.device)
             continue
         tr.ext_arrays[k] = _placeholder(zeros[1], tr.device)
         for op, position in readers:
