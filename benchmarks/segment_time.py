@@ -9,7 +9,8 @@ inputs it read, without donation, waiting for each run; it prints the median per
 sum, the JAX step's median (timed the same way) and the fused step's own time per step, with
 the CPU time its threads used per step (XLA's compute threads, the Python thread, the autograd
 engine's): on a CPU the host's work and the programs share the cores.
-Models as in benchmarks/train_step.py (batch 8, AdamW(lr=1e-3)).
+Models as benchmarks/train_step.py builds them with its default options (batch 8,
+AdamW(lr=1e-3)).
 """
 import argparse
 import collections
@@ -25,12 +26,7 @@ import torch
 
 import torchtpu  # noqa: F401
 from torchtpu._execution import fused
-from train_step import build_model, jax_step_fn, torch_step
-
-SIZES = {"small": dict(kind="gpt", layers=2, d_model=128, seq=64),
-         "gpt": dict(kind="gpt", layers=4, d_model=256, seq=128),
-         "llama": dict(kind="llama", layers=4, d_model=256, seq=128)}
-
+from train_step import build_model, jax_step_fn, model_options, parser, torch_step
 
 def thread_cpu_ms():
     """{thread name: CPU ms} of this process's threads (Linux; {} elsewhere)."""
@@ -63,7 +59,7 @@ def median_ms(call, runs):
 
 
 def measure(name, runs):
-    a = argparse.Namespace(heads=4, vocab=1024, batch=8, **SIZES[name])
+    a = model_options(parser().parse_args([]), name)  # train_step.py's defaults
     model = build_model(a)
     idx = torch.randint(0, a.vocab, (a.batch, a.seq))
     tgt = torch.randint(0, a.vocab, (a.batch, a.seq))
@@ -117,6 +113,9 @@ def main():
     ap.add_argument("--models", default="small,gpt,llama")
     ap.add_argument("--runs", type=int, default=10)
     a = ap.parse_args()
+    for name in a.models.split(","):
+        if model_options(parser().parse_args([]), name) is None:
+            ap.error(f"unknown model {name!r}: choose from small, gpt, llama")
     for name in a.models.split(","):
         measure(name, a.runs)
 

@@ -79,7 +79,21 @@ def torch_step(m, opt, x, y):
     return step
 
 
-def main():
+# The small GPT's options over the size options' defaults (the rest).
+SMALL_GPT = {"layers": 2, "d_model": 128, "seq": 64, "kind": "gpt"}
+
+
+def model_options(a, name):
+    """The options `run` (and build_model) takes for model `name` (small, gpt, llama), given
+    the parsed command line `a`; None for an unknown name."""
+    if name == "small":
+        return argparse.Namespace(**{**vars(a), **SMALL_GPT})
+    if name in ("gpt", "llama"):
+        return argparse.Namespace(**{**vars(a), "kind": name})
+    return None
+
+
+def parser():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=256)
@@ -100,15 +114,19 @@ def main():
     ap.add_argument("--models", default="gpt", help="comma list of small, gpt, llama; run in this order")
     ap.add_argument("--small", action="store_true",
                     help="run the small GPT (2 layers, d_model 128, seq 64) first, in the same process")
+    return ap
+
+
+def main():
+    ap = parser()
     a = ap.parse_args()
     models = a.models.split(",")
     if a.small and "small" not in models:
         models.insert(0, "small")
     for name in models:
-        if name == "small":
-            run(argparse.Namespace(**{**vars(a), "layers": 2, "d_model": 128, "seq": 64, "kind": "gpt"}))
-        elif name in ("gpt", "llama"):
-            run(argparse.Namespace(**vars(a), kind=name))
+        options = model_options(a, name)
+        if options is not None:
+            run(options)
         else:
             ap.error(f"unknown model {name!r}: choose from small, gpt, llama")
 
