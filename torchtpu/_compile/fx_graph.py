@@ -54,7 +54,7 @@ def arguments_key(args):
     op's executable sees it (op_keys.layout_key: which inputs share storage included), its
     storage's size and device; other arguments by type and value."""
     key = []
-    buffers = op_keys.Buffers()
+    buffers = op_keys.Buffers.new()
     for a in args:
         if isinstance(a, torch.Tensor):
             buf = _buffer(a)

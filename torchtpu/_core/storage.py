@@ -5,6 +5,7 @@ identity (never dereferenced). Its Python object carries a `DeviceBuffer` holdin
 of the storage's elements in memory order; PyTorch keeps that object alive exactly as long as
 the storage, so device memory is freed with the last tensor that uses it.
 """
+import itertools
 import os
 import threading
 import weakref
@@ -24,15 +25,25 @@ _create_empty = torch._C._acc.create_empty_tensor
 _storage_from_pointer = torch._C._construct_storage_from_data_pointer
 
 # Fake addresses, spaced by each storage's size so that no two storages ever appear to overlap.
-_next_address = [1 << 44]
+_next_address = [1 << 62]
 _address_lock = threading.Lock()
 
 
 def _reserve_address(nbytes):
+    if nbytes <= _SMALL:
+        # A slot of its own, from a counter: no lock (next() on it is atomic), 0.05 us
+        # against 0.3 for the locked bump below, on every new storage.
+        return next(_small_slots)
     with _address_lock:
         address = _next_address[0]
         _next_address[0] += (nbytes + 127) & ~63
     return address
+
+
+# Storages up to 64 KiB take fixed slots of 128 KiB from 2**56 up (3 * 10**13 of them before
+# the range of the larger ones, which bump an address from 2**62 up): the ranges never meet.
+_SMALL = 1 << 16
+_small_slots = itertools.count(1 << 56, 1 << 17)
 
 
 class MemoryStats:
@@ -95,11 +106,11 @@ class DeviceBuffer:
         self.nbytes = nbytes
         self.index = index
         self.dtype = dtype  # jax dtype of `array`'s elements
-        s = memory_stats_for(index)
-        s.allocated += nbytes
+        s = _stats.get(index) or memory_stats_for(index)
+        allocated = s.allocated = s.allocated + nbytes
         s.num_alloc += 1
-        if s.allocated > s.peak:
-            s.peak = s.allocated
+        if allocated > s.peak:
+            s.peak = allocated
 
     def __del__(self):
         s = _stats.get(getattr(self, "index", None))
@@ -211,11 +222,15 @@ def shares_storage(t, others):
 _torch_devices = {}
 
 
-def new_storage(nbytes, index, array, dtype):
+def _device(index):
     device = _torch_devices.get(index)
     if device is None:
         device = _torch_devices[index] = torch.device("tpu", index)
-    storage = _storage_from_pointer(_reserve_address(nbytes), device, nbytes)
+    return device
+
+
+def new_storage(nbytes, index, array, dtype):
+    storage = _storage_from_pointer(_reserve_address(nbytes), _device(index), nbytes)
     storage._tpu = DeviceBuffer(array, nbytes, index, dtype)
     return storage
 
@@ -280,7 +295,19 @@ def wrap(array, shape, stride, dtype, index, nbytes=None, offset=0):
         if array is None:
             check_allocation(shape, stride, dtype, index)
         nbytes = storage_numel(shape, stride, offset) * dtype.itemsize
-    t = empty_on(index, shape, dtype)
+    if index == 0 and not offset and RESIZES_IN_PLACE:
+        # The common output, a new contiguous tensor on tpu:0: the empty tensor made with its
+        # sizes already has its strides, and its empty storage takes the new one's size and
+        # address by a swap, 1.0 us against 2.5 for `set_` (whose boxed redispatch dominated
+        # the cost of every recorded op's output).
+        t = _create_empty(shape, dtype)
+        if t.stride() == (stride if type(stride) is tuple else tuple(stride)):
+            storage = t.untyped_storage()
+            storage._swap_data_ptr_(_storage_from_pointer(_reserve_address(nbytes), _device(0), nbytes))
+            storage._tpu = DeviceBuffer(array, nbytes, 0, to_jax_dtype(dtype))
+            return t
+    else:
+        t = empty_on(index, shape, dtype)
     storage = new_storage(nbytes, index, array, to_jax_dtype(dtype))
     _set_storage.redispatch_boxed(_CPU_KEYS, t, storage, offset, shape, stride)
     return t

@@ -21,8 +21,15 @@ def _is_internal(filename):
 
 def user_frame(depth=2):
     """(filename, line, function) of the innermost caller outside torch and torchtpu, or None
-    (e.g. for ops run by the autograd engine's own thread).  Fused eager records one per op,
-    so the walk is inlined (a dict lookup per frame, no call)."""
+    (e.g. for ops run by the autograd engine's own thread)."""
+    return _resolved(user_site(depth + 1))
+
+
+def user_site(depth=2):
+    """`user_frame`'s caller as (code, offset of its current instruction), or None: fused eager
+    notes one per op, so the walk is inlined (a dict lookup per frame, no call), and the line
+    number, which Python decodes from the code's line table on each read (~0.1 us, more in a
+    long function), is looked up only when an error names it (`format_where`)."""
     try:
         f = sys._getframe(depth)
     except ValueError:  # no frame that deep: the callers' own frames are all there is
@@ -30,20 +37,29 @@ def user_frame(depth=2):
     known = _internal_files
     while f is not None:
         code = f.f_code
-        filename = code.co_filename
-        internal = known.get(filename)
+        internal = known.get(code.co_filename)
         if internal is None:
-            internal = _is_internal(filename)
+            internal = _is_internal(code.co_filename)
         if not internal:
-            return filename, f.f_lineno, code.co_name
+            return code, f.f_lasti
         f = f.f_back
     return None
 
 
+def _resolved(where):
+    """(filename, line, function) of a `user_site` (a `user_frame` is returned as it is)."""
+    if where is None or len(where) == 3:
+        return where
+    code, offset = where
+    line = next((n for start, end, n in code.co_lines() if start <= offset < end and n), None)
+    return code.co_filename, line or code.co_firstlineno, code.co_name
+
+
 def format_where(where):
+    """A `user_frame` or `user_site` as the line it names."""
     if where is None:
         return "outside user code (e.g. in the autograd engine)"
-    filename, line, function = where
+    filename, line, function = _resolved(where)
     return f"{filename}:{line} in {function}"
 
 

@@ -63,7 +63,7 @@ class Trace:
     def __init__(self, device):
         self.device = device
         self.signature = []   # per op: (its compiled executable, where its inputs come from, #scalars)
-        self.where = []       # per op: (kernel, user line) for error messages
+        self.where = []       # per op: (kernel, its caller: debug.user_site) for error messages
         self.ext_arrays = []  # arrays that existed before the trace, read by it
         self.ext_ids = {}
         self.scalars = []
@@ -199,7 +199,7 @@ def record(kernel, compiled, vals, buffers, scalars, device):
         # op_runners' runner, OpKernel.call and its caller, OpKernel.__call__ or padded.py):
         # Python 3.11 makes a frame object for each frame the walk visits, ~0.3 us apiece, while
         # the user's own frame is alive across its ops and made once.
-        tr.where.append((kernel, debug.user_frame(5)))
+        tr.where.append((kernel, debug.user_site(5)))
         tr.scalars.extend(scalars)
         pendings = tr.pendings
         new = []

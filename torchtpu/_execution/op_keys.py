@@ -80,14 +80,18 @@ def is_wrapped_number(t):
 
 
 class Buffers(list):
-    """The distinct storages a call reads, in the order of first use, with each one's position:
-    a foreach op over a model's parameters reads hundreds, and a linear search per tensor made
-    its key quadratic (more than half of a foreach AdamW step over 500 tensors).  A
-    DeviceBuffer hashes by identity."""
+    """The distinct storages a call reads, in the order of first use, with each one's position
+    (`positions`): a foreach op over a model's parameters reads hundreds, and a linear search
+    per tensor made its key quadratic (more than half of a foreach AdamW step over 500
+    tensors).  A DeviceBuffer hashes by identity.  No `__init__`: a Python one costs ~0.1 us
+    on every op, so the maker sets `positions` (`Buffers.new`, or `key_of` inline)."""
     __slots__ = ("positions",)
 
-    def __init__(self):  # (an empty list needs no list.__init__: ~0.3 us on every op)
-        self.positions = {}
+    @classmethod
+    def new(cls):
+        buffers = cls()
+        buffers.positions = {}
+        return buffers
 
     def position(self, buf):
         """`buf`'s position, appending it if new."""
@@ -152,9 +156,12 @@ class Call:
 
 def key_of(args, vals, precision):
     """The `Call` of an op whose schema arguments are `args` (`classify`) on `vals`;
-    `precision`: whether the matmul precision is part of the key."""
+    `precision`: whether the matmul precision is part of the key.  Strict eager and fused
+    recording key every op: a device tensor's layout is read inline here (a function call
+    per tensor, and a `Buffers.__init__`, cost ~0.3 us an op)."""
     key = []
     buffers = Buffers()
+    positions = buffers.positions = {}
     scalars = []
     offsets = []
     exact = []
@@ -162,37 +169,72 @@ def key_of(args, vals, precision):
     for a, v in zip(args, vals):
         kind = a.kind
         if kind == T or kind == TOPT:
-            if v is None:
-                key.append(None)
-            else:
-                device = _tensor(v, key, buffers, scalars, offsets, exact, device)
+            tensors = (v,)
         elif kind == TLIST:
             key.append(len(v))
-            for t in v:
-                if t is None:
-                    key.append(None)
-                else:
-                    device = _tensor(t, key, buffers, scalars, offsets, exact, device)
+            tensors = v
         elif kind == SCALAR:
             if v is None:
                 key.append(None)
             else:
                 key.append(type(v))
                 scalars.append(v)
+            continue
         elif kind == SCALARLIST:
             key.append(tuple(map(type, v)))
             scalars.extend(v)
+            continue
         elif kind == DEVICE:
             if v is not None:
                 v = torch.device(v)
                 if v.type == "tpu" and device is None:
                     device = v.index if v.index is not None else runtime.current_device()
             key.append(v)
+            continue
         else:
             key.append(_hashable(v))
+            continue
+        for t in tensors:
+            if t is None:
+                key.append(None)
+                continue
+            buf = getattr(t.untyped_storage(), "_tpu", None) if isinstance(t, torch.Tensor) else None
+            if buf is None:  # a number, a CPU scalar, or a tensor of another device
+                device = _other(t, key, scalars, device)
+                continue
+            index = buf.index
+            if device is None:
+                device = index
+            elif device != index:
+                raise device_mismatch(f"tpu:{device}", t.device)
+            j = positions.get(buf)  # (Buffers.position, inline)
+            if j is None:
+                j = positions[buf] = len(buffers)
+                buffers.append(buf)
+            # A view's offset is an argument of the executable, not part of its key: a loop
+            # over x[i], or the last token of a growing sequence, runs one executable.
+            offset = t.storage_offset()
+            if offset:
+                offsets.append(offset)
+                offset = DYNAMIC
+            # Nor is the stride of a size-1 dim, which addresses no other element: the last
+            # token of a growing [1, L] sequence is a [1, 1] view of strides (L, 1).  Where
+            # the outputs' strides follow it (clone keeps them), `variants` gives each its own.
+            shape = t.shape
+            stride = t.stride()
+            if 1 in shape:
+                exact.append(stride)
+                stride = _size_one_strides(shape, stride)
+            dtype = t.dtype
+            # (layout_key's tuple; only a complex tensor can be a lazily conjugated view)
+            if t.is_neg() or dtype.is_complex and t.is_conj():
+                key.append((dtype, shape, stride, offset, j, t.is_conj(), t.is_neg()))
+            else:
+                key.append((dtype, shape, stride, offset, j))
     if device is None:
         device = runtime.current_device()
-    scalars += offsets  # (after the op's own numbers: run() takes them from the end)
+    if offsets:
+        scalars += offsets  # (after the op's own numbers: run() takes them from the end)
     # The default dtype decides a factory's dtype and an integer input's or a Python
     # float's promotion (int / int, int + 2.5): an executable built under float32 must not
     # serve a call under float64.
@@ -209,35 +251,14 @@ def key_of(args, vals, precision):
     return call
 
 
-def _tensor(t, key, buffers, scalars, offsets, exact, device):
+def _other(t, key, scalars, device):
+    """Key a tensor argument that is not a device tensor: PyTorch hands wrapped numbers
+    (`x + 1`) to Python kernels as plain numbers, and a 0-dim CPU tensor mixes with device
+    tensors (as with CUDA); both are traced.  Any other device is an error."""
     if not isinstance(t, torch.Tensor):
-        # PyTorch hands wrapped numbers (`x + 1`) to Python kernels as plain numbers.
         key.append(type(t))
         scalars.append(t)
-        return device
-    buf = getattr(t.untyped_storage(), "_tpu", None)
-    if buf is not None:
-        index = buf.index
-        if device is None:
-            device = index
-        elif device != index:
-            raise device_mismatch(f"tpu:{device}", t.device)
-        # A view's offset is an argument of the executable, not part of its key: a loop
-        # over x[i], or the last token of a growing sequence, runs one executable.
-        offset = t.storage_offset()
-        if offset:
-            offsets.append(offset)
-            offset = DYNAMIC
-        # Nor is the stride of a size-1 dim, which addresses no other element: the last
-        # token of a growing [1, L] sequence is a [1, 1] view of strides (L, 1).  Where
-        # the outputs' strides follow it (clone keeps them), `variants` gives each its own.
-        stride = t.stride()
-        if 1 in t.shape:
-            exact.append(stride)
-            stride = _size_one_strides(t.shape, stride)
-        key.append(layout_key(t, buf, buffers, offset, stride))
     elif t.dim() == 0 and t.device.type == "cpu":
-        # A 0-dim CPU tensor mixes with device tensors (as with CUDA): its value is traced.
         key.append(("cpu", t.dtype, is_wrapped_number(t)))
         scalars.append(t.item())
     else:
