@@ -175,6 +175,42 @@ def test_resize_where_storages_can_or_cannot_resize_in_place(monkeypatch, in_pla
         assert st.nbytes() == 16
 
 
+@pytest.mark.parametrize("swaps", [
+    pytest.param(True, id="torch>=2.12", marks=pytest.mark.skipif(
+        not hasattr(torch.UntypedStorage, "_swap_data_ptr_"), reason="torch 2.11 cannot")),
+    pytest.param(False, id="torch2.11")])
+def test_new_outputs_have_pytorch_layouts_storage_sizes_and_disjoint_addresses(monkeypatch, swaps):
+    # An op's new contiguous output on tpu:0 takes its storage by a swap of data pointers
+    # (storage.wrap), any other by set_: both must give PyTorch's layout and storage size, and
+    # no two live storages may overlap, small (a counter's slots) or large (a bumped address).
+    from torchtpu._core import storage
+    monkeypatch.setattr(storage, "RESIZES_IN_PLACE", swaps)
+    cases = {
+        "small": lambda x: x * 2,
+        "large": lambda x: x.repeat(40, 40) + 1,  # 64x64x40x40 float32: 26 MB
+        "transposed": lambda x: x.t() * 1,  # strides follow the input's: (1, 64)
+        "empty": lambda x: x[:0] * 2,
+        "scalar": lambda x: x.sum(),
+        "int64": lambda x: (x > 0).long(),
+    }
+    x_cpu = torch.randn(64, 64)
+    x = x_cpu.to("tpu")
+    outs = {name: (fn(x), fn(x_cpu)) for name, fn in cases.items()}  # (in each eager mode)
+    spans = []
+    for name, (t, c) in outs.items():
+        assert (t.shape, t.stride(), t.storage_offset(), t.dtype) == (
+            c.shape, c.stride(), c.storage_offset(), c.dtype), name
+        st = t.untyped_storage()
+        assert st.nbytes() == c.untyped_storage().nbytes() and st.device == t.device, name
+        assert t.is_contiguous() == c.is_contiguous(), name
+        torch.testing.assert_close(t.cpu(), c)
+        spans.append((st.data_ptr(), st.data_ptr() + max(st.nbytes(), 1), name))
+    spans.append((x.untyped_storage().data_ptr(), x.untyped_storage().data_ptr() + 16384, "x"))
+    spans.sort()
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        assert end <= start, f"the storages of {a} and {b} overlap"
+
+
 def test_dtype_view_shares_bits():
     a = torch.randn(4)
     t = a.to("tpu")

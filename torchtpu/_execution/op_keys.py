@@ -132,9 +132,11 @@ def layout_key(t, buf, buffers, offset=None, stride=None):
         offset = t.storage_offset()
     if stride is None:
         stride = t.stride()
-    if t.is_conj() or t.is_neg():  # lazily conjugated/negated views (x.conj(), ...)
-        return t.dtype, t.shape, stride, offset, j, t.is_conj(), t.is_neg()
-    return t.dtype, t.shape, stride, offset, j
+    dtype = t.dtype
+    # Lazily negated or conjugated views (x.conj(), ...): only a complex tensor can be the latter.
+    if t.is_neg() or dtype.is_complex and t.is_conj():
+        return dtype, t.shape, stride, offset, j, t.is_conj(), t.is_neg()
+    return dtype, t.shape, stride, offset, j
 
 
 def live_strides(shape, stride):
@@ -226,7 +228,7 @@ def key_of(args, vals, precision):
                 exact.append(stride)
                 stride = _size_one_strides(shape, stride)
             dtype = t.dtype
-            # (layout_key's tuple; only a complex tensor can be a lazily conjugated view)
+            # (layout_key's tuple)
             if t.is_neg() or dtype.is_complex and t.is_conj():
                 key.append((dtype, shape, stride, offset, j, t.is_conj(), t.is_neg()))
             else:
