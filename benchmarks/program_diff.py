@@ -40,16 +40,18 @@ import torch
 import jax_models
 import torchtpu  # noqa: F401
 from torchtpu._execution import fused
-from torchtpu.examples.models import GPT, Llama
-from train_step import time_steps, torch_step
+from train_step import build_model, model_options, parser, time_steps, torch_step
+
+def _from_train_step(name):
+    """(a maker of, sequence length of) train_step.py's model `name` at its default sizes."""
+    a = model_options(parser().parse_args([]), name)
+    return (lambda: build_model(a)), a.seq
+
 
 MODELS = {
-    "small": ("small GPT (2 layers, d 128, T 64)",
-              lambda: GPT(vocab=1024, d_model=128, n_heads=4, n_layers=2, seq=64), 64),
-    "gpt4": ("4-layer GPT (d 256, T 128)",
-             lambda: GPT(vocab=1024, d_model=256, n_heads=4, n_layers=4, seq=128), 128),
-    "llama": ("Llama (4 layers, d 256, 4 heads, 2 kv heads, T 128)",
-              lambda: Llama(vocab=1024, d=256, layers=4, heads=4, hidden=704, kv_heads=2), 128),
+    "small": ("small GPT (2 layers, d 128, T 64)", *_from_train_step("small")),
+    "gpt4": ("4-layer GPT (d 256, T 128)", *_from_train_step("gpt")),
+    "llama": ("Llama (4 layers, d 256, 4 heads, 2 kv heads, T 128)", *_from_train_step("llama")),
 }
 BATCH = 8
 LR = 1e-3
