@@ -223,6 +223,34 @@ def test_fused_donates_only_arrays_nothing_else_holds():
     assert x.cpu().tolist() == [4.0] * 4 and y.cpu().tolist() == [4.0] * 4
 
 
+@pytest.mark.parametrize("mode", ["DEFER_NEVER", "DEFER_AND_FUSE"])
+def test_zeroed_storages_take_the_shape_of_the_tensor_that_zeroed_them(mode):
+    """An optimizer's state is `zeros_like(param)`: an unwritten storage whose zeros, made at
+    its first read, have the parameter's shape (a flat array of them made XLA copy the state in
+    every fused step of the Llama model), on the host's path (small) and the executable's
+    (large); views of other shapes read and write it as PyTorch does."""
+    from torchtpu._core import storage
+    with torch.tpu.set_eager_mode(mode):
+        for shape in [(6, 4), (300, 100)]:  # 96 B and 120 KB: host zeros, a zeros executable
+            p_cpu = torch.randn(shape)
+            p = p_cpu.to("tpu")
+            state = torch.zeros_like(p, memory_format=torch.preserve_format)
+            for _ in range(2):
+                state.mul_(0.9).add_(p)
+            torch.tpu.synchronize()
+            assert storage.buffer_of(state).value().shape == shape
+            torch.testing.assert_close(state.cpu(), p_cpu * 1.9)
+            other = torch.zeros_like(p)
+            other.view(-1)[3:5] += 1.0  # a view of another shape writes into the zeros
+            expected = torch.zeros(shape)
+            expected.view(-1)[3:5] = 1.0
+            torch.testing.assert_close(other.cpu(), expected)
+            assert storage.buffer_of(other).value().shape == shape
+        flat = torch.empty(12, device="tpu").view(3, 4)  # never zeroed: read as flat zeros
+        assert flat.cpu().tolist() == [[0.0] * 4] * 3
+        assert storage.buffer_of(flat).value().shape == (12,)
+
+
 def test_fused_segment_makes_the_zeros_of_unwritten_storages_itself():
     """`zeros` is an unwritten storage (`empty`, read as zeros).  An op of a segment that reads
     one that is gone by the flush (a slice's copy_ into it, as every slice's backward does;

@@ -6,6 +6,7 @@ of the storage's elements in memory order; PyTorch keeps that object alive exact
 the storage, so device memory is freed with the last tensor that uses it.
 """
 import itertools
+import math
 import os
 import threading
 import weakref
@@ -96,10 +97,11 @@ class DeviceBuffer:
     """The device memory behind one storage: a JAX array (None until first written, or
     `Pending` while a deferred op will produce it)."""
 
-    __slots__ = ("_array", "nbytes", "index", "dtype", "from_bytes", "__weakref__")
+    __slots__ = ("_array", "nbytes", "index", "dtype", "from_bytes", "shape", "__weakref__")
 
     def __init__(self, array, nbytes, index, dtype):
         self.from_bytes = False  # raw bytes from torch.load, not yet given their dtype
+        self.shape = None  # (unwritten storages) the shape their zeros take, where one is known
         self._array = array
         if type(array) is Pending:
             array.owner = weakref.ref(self)
@@ -151,7 +153,7 @@ class DeviceBuffer:
             return a
         a = self.array
         if a is None:
-            a = self.array = zeros_for(self.nbytes, jnp.dtype(self.dtype), self.index)
+            a = self.array = zeros_for(self.nbytes, jnp.dtype(self.dtype), self.index, self.shape)
         return a
 
 
@@ -176,13 +178,15 @@ def use_zeros_executable(zeros):
     _zeros = zeros
 
 
-def zeros_for(nbytes, dtype, index):
-    """The array of an unwritten storage of `nbytes` (its elements read as zeros)."""
+def zeros_for(nbytes, dtype, index, shape=None):
+    """The array of an unwritten storage of `nbytes` (its elements read as zeros): of `shape`
+    where given (the tensor zeroed over the whole storage), else flat."""
     metrics.counters["zeros_materialized"] += 1
     n = nbytes // dtype.itemsize
+    shape = tuple(shape) if shape is not None and math.prod(shape) == n else (n,)
     if nbytes <= _HOST_ZEROS_BYTES or _zeros is None:
-        return jax.device_put(np.zeros(n, dtype), runtime.jax_device(index))
-    return _zeros(n, dtype, index)()
+        return jax.device_put(np.zeros(shape, dtype), runtime.jax_device(index))
+    return _zeros(shape, dtype, index)()
 
 
 def retype_loaded(buf, dtype):

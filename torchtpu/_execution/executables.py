@@ -374,12 +374,12 @@ def wait_for_writes():
 
 
 @functools.lru_cache(maxsize=256)
-def zeros(n, dtype, index):
-    """The executable making n zeros on a device, for a storage read before it was written
-    (storage.use_zeros_executable); bounded: one per storage size would otherwise grow without
-    end."""
+def zeros(shape, dtype, index):
+    """The executable making zeros of `shape` on a device, for a storage read before it was
+    written (storage.use_zeros_executable); bounded: one per storage size would otherwise grow
+    without end."""
     import jax.numpy as jnp
-    return Executable(lambda: jnp.zeros((n,), dtype), stable(("zeros", n, str(dtype), index)),
+    return Executable(lambda: jnp.zeros(shape, dtype), stable(("zeros", shape, str(dtype), index)),
                       "zeros", out_shardings=jax.sharding.SingleDeviceSharding(runtime.jax_device(index)))
 
 

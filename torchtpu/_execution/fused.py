@@ -84,7 +84,8 @@ class Trace:
         # run: torchtpu.scaling costs a step of a model materialised without memory).
         self.abstract = False
         # External index -> (storage, weakly; (size, dtype name); the (op, input) positions
-        # reading it) of each unwritten storage read (_zeros_input), settled at the flush.
+        # reading it; the shape of its zeros, or None) of each unwritten storage read
+        # (_zeros_input), settled at the flush.
         self.unwritten = {}
 
     def flush(self, reason):
@@ -287,8 +288,9 @@ def replace_value(t, array):
     storage reads; it may hold more elements than the storage, which are never read) without
     running an op; whether it could.  Placing a model on the device or creating optimizer
     state then adds no ops to a fused trace, so the first training step's segments equal the
-    later steps' instead of compiling twice.  Not while ops are captured: a replay must write
-    the value again."""
+    later steps' instead of compiling twice.  Zeros take `t`'s shape when they are made (an
+    array keeps its shape through writes, and a flat optimizer state made XLA copy it).  Not
+    while ops are captured: a replay must write the value again."""
     buf = storage.buffer_of(t)
     if not (storage.covers_storage(t) and (array is None or array.dtype == buf.dtype)
             and not capturing()):
@@ -296,6 +298,7 @@ def replace_value(t, array):
     with _lock:  # not while a flush is storing its results
         buf._array = array
         buf.from_bytes = False
+        buf.shape = tuple(t.shape) if array is None else None
     return True
 
 
@@ -756,7 +759,8 @@ def _zeros_input(tr, buf, op, position):
         k = tr.ext_ids[key] = len(tr.ext_arrays)
         tr.ext_arrays.append(None)
         dtype = np.dtype(buf.dtype)
-        tr.unwritten[k] = (weakref.ref(buf), (buf.nbytes // dtype.itemsize, dtype.name), [])
+        tr.unwritten[k] = (weakref.ref(buf), (buf.nbytes // dtype.itemsize, dtype.name), [],
+                           buf.shape)
     tr.unwritten[k][2].append((op, position))
     return k
 
@@ -776,10 +780,10 @@ def _settle_zeros(tr):
     second step, and the cause is not found yet (test_ddp_and_fsdp2_train_like_one_process
     [fused]; it failed as well with an array of zeros also passed at the same input, so the
     zeros' values were right)."""
-    for k, (ref, zeros, readers) in tr.unwritten.items():
+    for k, (ref, zeros, readers, shape) in tr.unwritten.items():
         if tr.mesh is not None or (ref() is not None and not tr.captured):
             dtype = np.dtype(zeros[1])
-            tr.ext_arrays[k] = storage.zeros_for(zeros[0] * dtype.itemsize, dtype, tr.device)
+            tr.ext_arrays[k] = storage.zeros_for(zeros[0] * dtype.itemsize, dtype, tr.device, shape)
             continue
         tr.ext_arrays[k] = _placeholder(zeros[1], tr.device)
         for op, position in readers:
