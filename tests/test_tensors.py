@@ -149,10 +149,14 @@ def test_resize_preserves_values():
     assert t.shape == (8,) and t[:4].cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
-@pytest.mark.parametrize("in_place", [
+# Storages swap data pointers (UntypedStorage._swap_data_ptr_, torch 2.12+), or run as on 2.11.
+RELEASES_SWAPPING_STORAGES = [
     pytest.param(True, id="torch>=2.12", marks=pytest.mark.skipif(
         not hasattr(torch.UntypedStorage, "_swap_data_ptr_"), reason="torch 2.11 cannot")),
-    pytest.param(False, id="torch2.11")])
+    pytest.param(False, id="torch2.11")]
+
+
+@pytest.mark.parametrize("in_place", RELEASES_SWAPPING_STORAGES)
 def test_resize_where_storages_can_or_cannot_resize_in_place(monkeypatch, in_place):
     # torch 2.11 has no UntypedStorage._swap_data_ptr_: a growing tensor moves to a new
     # storage there, and a storage's own resize_ refuses with a clear error.
@@ -175,10 +179,7 @@ def test_resize_where_storages_can_or_cannot_resize_in_place(monkeypatch, in_pla
         assert st.nbytes() == 16
 
 
-@pytest.mark.parametrize("swaps", [
-    pytest.param(True, id="torch>=2.12", marks=pytest.mark.skipif(
-        not hasattr(torch.UntypedStorage, "_swap_data_ptr_"), reason="torch 2.11 cannot")),
-    pytest.param(False, id="torch2.11")])
+@pytest.mark.parametrize("swaps", RELEASES_SWAPPING_STORAGES)
 def test_new_outputs_have_pytorch_layouts_storage_sizes_and_disjoint_addresses(monkeypatch, swaps):
     # An op's new contiguous output on tpu:0 takes its storage by a swap of data pointers
     # (storage.wrap), any other by set_: both must give PyTorch's layout and storage size, and
