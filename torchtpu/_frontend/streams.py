@@ -8,9 +8,13 @@ and the fused ops still deferred (which it does not run: FSDP2 records an event 
 collective, and a fused segment would be cut at each), `query()`/`synchronize()` run those and
 test/wait for it all, and with `enable_timing=True` a watcher thread notes when it completed (a
 timed event runs the deferred ops at once), so `elapsed_time` is the time between two events'
-completions as the host observed them (in milliseconds, like CUDA's).
+completions as the host observed them (in milliseconds, like CUDA's).  One thread notes them
+all, in the order they were recorded, as the work completes in that order: a thread per event
+could start late and note an earlier event after a later one (a negative elapsed time, seen
+on a loaded 2-core machine).
 """
 import contextlib
+import queue
 import threading
 import time
 
@@ -79,7 +83,7 @@ class Event:
         self._arrays = None
         self._trace = None  # the fused trace whose ops it also waits for, until they run
         self._done_at = None
-        self._watcher = None
+        self._noted = None  # (timed events) set once the watcher has noted `_done_at`
 
     def record(self, stream=None):
         from .._execution import fused, sync
@@ -90,8 +94,8 @@ class Event:
         self._arrays = sync.pending()
         self._done_at = None
         if self.enable_timing:
-            self._watcher = threading.Thread(target=self._watch, daemon=True)
-            self._watcher.start()
+            self._noted = threading.Event()
+            _watch(self)
         return self
 
     def _run_deferred(self):
@@ -102,11 +106,6 @@ class Event:
                 fused.flush(FlushReason.EVENT)
             self._trace = None
             self._arrays = sync.pending()
-
-    def _watch(self):
-        for a in self._arrays:
-            a.block_until_ready()
-        self._done_at = time.perf_counter()
 
     def query(self):
         if self._arrays is None:
@@ -119,8 +118,8 @@ class Event:
 
     def synchronize(self):
         self._run_deferred()
-        if self._watcher is not None:
-            self._watcher.join()
+        if self._noted is not None:
+            self._noted.wait()
         for a in self._arrays or ():
             a.block_until_ready()
         sync.wait()
@@ -133,6 +132,33 @@ class Event:
         self.synchronize()
         end_event.synchronize()
         return (end_event._done_at - self._done_at) * 1e3
+
+
+_timed = queue.SimpleQueue()  # timed events, in the order they were recorded
+_watcher = None
+_watcher_lock = threading.Lock()
+
+
+def _watch(event):
+    global _watcher
+    _timed.put(event)
+    with _watcher_lock:
+        if _watcher is None or not _watcher.is_alive():
+            _watcher = threading.Thread(target=_note_completions, daemon=True,
+                                        name="torchtpu-event-timer")
+            _watcher.start()
+
+
+def _note_completions():
+    while True:
+        event = _timed.get()
+        try:
+            for a in event._arrays:
+                a.block_until_ready()
+        except Exception:  # a failed computation: completed, as far as timing goes
+            pass
+        event._done_at = time.perf_counter()
+        event._noted.set()
 
 
 def _record_stream(self, stream):
