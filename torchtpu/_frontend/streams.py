@@ -95,7 +95,7 @@ class Event:
         self._done_at = None
         if self.enable_timing:
             self._noted = threading.Event()
-            _watch(self)
+            _watch(self, self._arrays, self._noted)
         return self
 
     def _run_deferred(self):
@@ -139,9 +139,9 @@ _watcher = None
 _watcher_lock = threading.Lock()
 
 
-def _watch(event):
+def _watch(event, arrays, noted):
     global _watcher
-    _timed.put(event)
+    _timed.put((event, arrays, noted))
     with _watcher_lock:
         if _watcher is None or not _watcher.is_alive():
             _watcher = threading.Thread(target=_note_completions, daemon=True,
@@ -151,14 +151,15 @@ def _watch(event):
 
 def _note_completions():
     while True:
-        event = _timed.get()
+        event, arrays, noted = _timed.get()
         try:
-            for a in event._arrays:
+            for a in arrays:
                 a.block_until_ready()
         except Exception:  # a failed computation: completed, as far as timing goes
             pass
-        event._done_at = time.perf_counter()
-        event._noted.set()
+        if event._noted is noted:  # (not recorded again since)
+            event._done_at = time.perf_counter()
+        noted.set()
 
 
 def _record_stream(self, stream):
