@@ -40,11 +40,12 @@ import torch
 import jax_models
 import torchtpu  # noqa: F401
 from torchtpu._execution import fused
-from train_step import build_model, model_options, parser, time_steps, torch_step
+from train_step import build_model, default_options, time_steps, torch_step
+
 
 def _from_train_step(name):
     """(a maker of, sequence length of) train_step.py's model `name` at its default sizes."""
-    a = model_options(parser().parse_args([]), name)
+    a = default_options(name)
     return (lambda: build_model(a)), a.seq
 
 

@@ -26,7 +26,8 @@ import torch
 
 import torchtpu  # noqa: F401
 from torchtpu._execution import fused
-from train_step import build_model, jax_step_fn, model_options, parser, torch_step
+from train_step import build_model, default_options, jax_step_fn, torch_step
+
 
 def thread_cpu_ms():
     """{thread name: CPU ms} of this process's threads (Linux; {} elsewhere)."""
@@ -58,8 +59,8 @@ def median_ms(call, runs):
     return sorted(times)[len(times) // 2] * 1e3
 
 
-def measure(name, runs):
-    a = model_options(parser().parse_args([]), name)  # train_step.py's defaults
+def measure(name, a, runs):
+    """`a`: the model's options (train_step.default_options)."""
     model = build_model(a)
     idx = torch.randint(0, a.vocab, (a.batch, a.seq))
     tgt = torch.randint(0, a.vocab, (a.batch, a.seq))
@@ -113,11 +114,12 @@ def main():
     ap.add_argument("--models", default="small,gpt,llama")
     ap.add_argument("--runs", type=int, default=10)
     a = ap.parse_args()
-    for name in a.models.split(","):
-        if model_options(parser().parse_args([]), name) is None:
+    models = [(name, default_options(name)) for name in a.models.split(",")]
+    for name, options in models:
+        if options is None:
             ap.error(f"unknown model {name!r}: choose from small, gpt, llama")
-    for name in a.models.split(","):
-        measure(name, a.runs)
+    for name, options in models:
+        measure(name, options, a.runs)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,11 @@ def model_options(a, name):
     return None
 
 
+def default_options(name):
+    """`model_options` for model `name` at this script's default command line."""
+    return model_options(parser().parse_args([]), name)
+
+
 def parser():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
