@@ -108,7 +108,7 @@ class DeviceBuffer:
         self.nbytes = nbytes
         self.index = index
         self.dtype = dtype  # jax dtype of `array`'s elements
-        s = _stats.get(index) or memory_stats_for(index)
+        s = memory_stats_for(index)
         allocated = s.allocated = s.allocated + nbytes
         s.num_alloc += 1
         if allocated > s.peak:

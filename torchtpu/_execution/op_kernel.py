@@ -24,7 +24,6 @@ from .random import draw_advance, generator, next_key_parts
 _FUSED, _BLOCKING = modes.EagerMode.DEFER_AND_FUSE, modes.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
 _STRICT = modes.EagerMode.DEFER_NEVER
 _NO_KEY = np.uint64(0)  # a random op's seed and offset before they are drawn
-_mark_used = bounded.op_executables.move_to_end  # most recently used last
 
 
 class OpKernel:
@@ -130,10 +129,7 @@ class OpKernel:
         if compiled is None:
             compiled = op_programs.build_cached(self, call, vals, scalars)
         else:
-            try:
-                _mark_used(compiled)  # (bounded.op_executables.lookup, less its dict look-up)
-            except KeyError:  # evicted meanwhile by another thread
-                pass
+            bounded.op_executables.lookup(compiled)  # marks it recently used
             if compiled.recheck_overlap:
                 overlap.check(self, vals, resized=False)
                 overlap.check(self, vals, resized=True)
