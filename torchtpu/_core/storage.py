@@ -109,10 +109,10 @@ class DeviceBuffer:
         self.index = index
         self.dtype = dtype  # jax dtype of `array`'s elements
         s = memory_stats_for(index)
-        allocated = s.allocated = s.allocated + nbytes
+        s.allocated += nbytes
         s.num_alloc += 1
-        if allocated > s.peak:
-            s.peak = allocated
+        if s.allocated > s.peak:
+            s.peak = s.allocated
 
     def __del__(self):
         s = _stats.get(getattr(self, "index", None))
