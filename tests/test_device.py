@@ -490,3 +490,40 @@ def test_a_size_one_stride_that_tips_the_layout_gets_its_own_program():
         assert torch.equal(got.cpu(), want)
         got, want = xt.clone(), x.clone()
         assert got.stride() == want.stride() and torch.equal(got.cpu(), want)
+
+
+def test_checks_read_before_a_wait_are_read_once_and_a_failed_one_raises(monkeypatch):
+    """Strict eager: sync.raise_ready (which the distributed layer calls per collective in
+    flight at each wait) reads the computed checks in one batch, forgets those that passed,
+    and raises a failed one's error with every tensor intact."""
+    from torchtpu._execution import sync
+    torch.tpu.synchronize()
+    x = torch.arange(5.0, device="tpu")
+    for i in range(20):
+        x[torch.tensor([i % 5], device="tpu")]  # (built: the runs below only dispatch)
+    torch.tpu.synchronize()
+    reads = []
+    device_get = jax.device_get
+
+    def counted(a):  # (check_error passes host values through device_get too: not a read)
+        if any(isinstance(v, jax.Array) for v in jax.tree_util.tree_leaves(a)):
+            reads.append(len(a))
+        return device_get(a)
+    monkeypatch.setattr(sync.jax, "device_get", counted)
+    for i in range(20):
+        x[torch.tensor([i % 5], device="tpu")]  # an index check per op, deferred
+    for a in list(sync._checks):
+        jax.block_until_ready(a[0])
+    queued = len(sync._checks)
+    assert queued >= 1
+    for _ in range(5):
+        sync.raise_ready()
+    assert reads == [queued]  # one batch, then nothing left to read
+    assert not sync._checks
+    x[torch.tensor([7], device="tpu")]  # fails its check
+    for a in list(sync._checks):
+        jax.block_until_ready(a[0])
+    with pytest.raises(IndexError, match="out of bounds|out of range"):
+        sync.raise_ready()
+    assert not sync._checks
+    assert x.cpu().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
