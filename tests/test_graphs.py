@@ -340,3 +340,38 @@ def test_each_overwritten_storage_gives_its_buffer_to_its_own_new_value():
                 checked += 1
     # at least the parameters, exp_avg, exp_avg_sq and step of the MLP's 6 tensors
     assert checked >= 24
+
+
+def test_storages_made_during_the_capture_are_zeros_inside_the_program_not_inputs():
+    # A step's `zeros` (empty, then zero_), `fill_` of new tensors and the slices its backward
+    # writes into zeros: made at every replay inside the program, as a fused segment makes
+    # them, not read from their storages as inputs and written back (a Llama step had 20 such,
+    # 24 MB).  The storages made before the capture are its only inputs holding bytes.
+    x = torch.randn(4, 8).to("tpu")
+    w = torch.randn(8, 8).to("tpu").requires_grad_()
+
+    def step():
+        z = torch.zeros(4, 16, device="tpu")
+        z[:, :8] = x @ w  # a slice of the zeros written, the rest read as zeros
+        f = torch.empty(4, 16, device="tpu").fill_(2.0)
+        out = (z * f).sum(1)
+        out.sum().backward()  # the matmul's and the slice's backward make zeros too
+        return z, out
+
+    g = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g):
+        z, out = step()
+    made_before = {id(b) for b in (torchtpu._core.storage.buffer_of(t) for t in (x, w))}
+    holding = [b for b in g._inputs if b.nbytes]
+    assert holding and {id(b) for b in holding} <= made_before, [b.nbytes for b in holding]
+    w0 = w.detach().cpu()
+    for i in range(3):
+        z.fill_(5.0)  # written outside between replays: the replay makes its zeros again
+        new = torch.randn(4, 8)
+        x.copy_(new)
+        g.replay()
+        want = torch.zeros(4, 16)
+        want[:, :8] = new @ w0
+        torch.testing.assert_close(z.cpu(), want)
+        torch.testing.assert_close(out.cpu(), (want * 2).sum(1))
+        torch.testing.assert_close(w.grad.cpu(), new.T @ torch.full((4, 8), 2.0))

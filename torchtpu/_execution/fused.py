@@ -58,7 +58,7 @@ def _rounded_half(values):
 class Trace:
     __slots__ = ("device", "signature", "where", "ext_arrays", "ext_ids", "scalars", "pendings",
                  "captured", "in_backward", "ran_backward", "ext_buffers", "ext_queued", "mesh",
-                 "abstract", "unwritten")
+                 "abstract", "unwritten", "born")
 
     def __init__(self, device):
         self.device = device
@@ -87,6 +87,12 @@ class Trace:
         # reading it; the shape of its zeros, or None) of each unwritten storage read
         # (_zeros_input), settled at the flush.
         self.unwritten = {}
+        # torch.tpu graphs: the storages `empty` made during the capture (note_new_storage).
+        # Read before anything wrote them, they are zeros made inside the program at every
+        # replay, as a fused segment makes them, instead of inputs read from their storage
+        # (a step's `zero_` and `fill_` of new tensors made each such storage an input, a
+        # guarded output and a copy: 20 of them, 24 MB, in a Llama step).
+        self.born = None
 
     def flush(self, reason):
         """Run the pending trace: a `Pending` value of this trace is being read."""
@@ -178,6 +184,9 @@ def record(kernel, compiled, vals, buffers, scalars, device):
                 a = b.value()
                 ident = id(a)
             else:  # a capture reads storages at replay: a value still to come need not wait
+                if a is None and b.dtype is not None and b in tr.born:
+                    wiring.append(-1 - _zeros_input(tr, b, len(tr.signature), len(wiring)))
+                    continue
                 ident = id(b)
                 queued = async_compile.queued(a)
                 if queued:
@@ -263,6 +272,7 @@ def start_capture(device, by_storage=False, abstract=False):
     if by_storage:
         tr.ext_buffers = []
         tr.ext_queued = {}
+        tr.born = weakref.WeakSet()
     tr.abstract = abstract
     return tr, previous
 
@@ -281,6 +291,14 @@ def stop_capture(tr, previous):
 
 def capturing():
     return _trace is not None and _trace.captured
+
+
+def note_new_storage(t):
+    """`t`'s storage was just made by `empty` (unwritten): during a torch.tpu graph's capture,
+    it is one the capture made (Trace.born)."""
+    tr = _trace
+    if tr is not None and tr.born is not None:
+        tr.born.add(storage.buffer_of(t))
 
 
 def replace_value(t, array):
@@ -758,6 +776,8 @@ def _zeros_input(tr, buf, op, position):
     if entry is None or entry[0]() is not buf:
         k = tr.ext_ids[key] = len(tr.ext_arrays)
         tr.ext_arrays.append(None)
+        if tr.ext_buffers is not None:  # (kept beside ext_arrays; _settle_zeros replaces it)
+            tr.ext_buffers.append(buf)
         dtype = np.dtype(buf.dtype)
         tr.unwritten[k] = (weakref.ref(buf), (buf.nbytes // dtype.itemsize, dtype.name), [],
                            buf.shape)
@@ -784,11 +804,16 @@ def _settle_zeros(tr):
         if tr.mesh is not None or (ref() is not None and not tr.captured):
             dtype = np.dtype(zeros[1])
             tr.ext_arrays[k] = storage.zeros_for(zeros[0] * dtype.itemsize, dtype, tr.device, shape)
-            continue
-        tr.ext_arrays[k] = _placeholder(zeros[1], tr.device)
-        for op, position in readers:
-            program, wiring, n = tr.signature[op]
-            tr.signature[op] = (program, wiring[:position] + (zeros,) + wiring[position + 1:], n)
+        else:
+            tr.ext_arrays[k] = _placeholder(zeros[1], tr.device)
+            for op, position in readers:
+                program, wiring, n = tr.signature[op]
+                tr.signature[op] = (program, wiring[:position] + (zeros,) + wiring[position + 1:], n)
+        if tr.ext_buffers is not None:
+            # A torch.tpu graph reads its inputs from storages at replay: this one's is a
+            # storage of its own holding that array, which no replay writes or donates.
+            a = tr.ext_arrays[k]
+            tr.ext_buffers[k] = storage.DeviceBuffer(a, a.nbytes, tr.device, a.dtype)
     tr.unwritten.clear()
 
 

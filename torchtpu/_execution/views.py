@@ -4,6 +4,7 @@ import torch
 
 from .._core import storage
 from .._core.runtime import device_index
+from . import fused
 
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 aten = torch.ops.aten
@@ -52,7 +53,9 @@ def _empty(size, stride, dtype, index):
         if n < 0:
             raise RuntimeError(
                 f"Trying to create tensor with negative dimension {n}: {list(size)}")
-    return storage.wrap(None, size, stride, dtype, index)
+    t = storage.wrap(None, size, stride, dtype, index)
+    fused.note_new_storage(t)
+    return t
 
 
 def _set_storage_kernel(op):
