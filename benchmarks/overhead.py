@@ -119,8 +119,7 @@ def _floor(size, n):
 
     run_jax = _jax_chain(x_cpu, n)
     run_jax()
-    result = {"cpu": min(timed(lambda: chain_torch(x_cpu, n)) for _ in range(3)) / n,
-              "jax": timed(run_jax) / n}
+    result = {"cpu": min(timed(lambda: chain_torch(x_cpu, n)) for _ in range(3)) / n}
     libraries = []  # kept: a Library's registrations end when it is freed
     for name, kernels in (("dispatch", identity), ("dispatch_and_output", new_output),
                           ("minimal_recording", minimal_recording), ("strict_floor", strict_floor)):
@@ -136,6 +135,9 @@ def _floor(size, n):
             def run():
                 recorded_chain().untyped_storage()._tpu.value().block_until_ready()
         result[name] = min(timed(run) for _ in range(3)) / n
+        if name == "strict_floor":  # the chain as jax.jit calls, timed beside it, in turn
+            result["jax"] = min(timed(run_jax) for _ in range(3)) / n
+            result[name] = min(result[name], min(timed(run) for _ in range(3)) / n)
     return result
 
 
