@@ -91,7 +91,8 @@ class Trace:
         # Read before anything wrote them, they are zeros made inside the program at every
         # replay, as a fused segment makes them, instead of inputs read from their storage
         # (a step's `zero_` and `fill_` of new tensors made each such storage an input, a
-        # guarded output and a copy: 20 of them, 24 MB, in a Llama step).
+        # guarded output and a copy: 20 of them, 24 MB, in a Llama step).  Not in an
+        # abstract capture, which describes every unwritten storage as it did.
         self.born = None
 
     def flush(self, reason):
@@ -184,7 +185,7 @@ def record(kernel, compiled, vals, buffers, scalars, device):
                 a = b.value()
                 ident = id(a)
             else:  # a capture reads storages at replay: a value still to come need not wait
-                if a is None and b.dtype is not None and b in tr.born:
+                if a is None and b.dtype is not None and not tr.abstract and b in tr.born:
                     wiring.append(-1 - _zeros_input(tr, b, len(tr.signature), len(wiring)))
                     continue
                 ident = id(b)
