@@ -178,16 +178,15 @@ def record(kernel, compiled, vals, buffers, scalars, device):
             if type(a) is Pending and a.trace is tr:
                 wiring.append(a.slot)
                 continue
+            if a is None and b.dtype is not None and (
+                    tr.ext_buffers is None or not tr.abstract and b in tr.born):
+                # unwritten (a graph's capture: one it made itself, Trace.born): _settle_zeros
+                wiring.append(-1 - _zeros_input(tr, b, len(tr.signature), len(wiring)))
+                continue
             if tr.ext_buffers is None:
-                if a is None and b.dtype is not None:  # unwritten: see _settle_zeros
-                    wiring.append(-1 - _zeros_input(tr, b, len(tr.signature), len(wiring)))
-                    continue
                 a = b.value()
                 ident = id(a)
             else:  # a capture reads storages at replay: a value still to come need not wait
-                if a is None and b.dtype is not None and not tr.abstract and b in tr.born:
-                    wiring.append(-1 - _zeros_input(tr, b, len(tr.signature), len(wiring)))
-                    continue
                 ident = id(b)
                 queued = async_compile.queued(a)
                 if queued:
