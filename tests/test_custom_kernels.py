@@ -118,3 +118,32 @@ def test_model_with_pallas_kernel_trains_like_the_torch_model_on_cpu():
             opt.step()
             losses.append(loss.item())
         assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+
+
+def test_backward_is_given_the_keyword_defaults_the_forward_used():
+    """A `backward=` that declares the static keywords without defaults, called after a forward
+    that left them to the function's defaults (`rms_norm(x, w)` without `eps`)."""
+    seen = []
+
+    def backward(primals, cotangents, *, scale):
+        seen.append(scale)
+        x, = primals
+        return (cotangents[0] * scale,)
+
+    @torch.tpu.pallas.jax_op(backward=backward)
+    def scaled(x, *, scale=3.0):
+        return x * scale
+
+    x = torch.randn(4, device="tpu", requires_grad=True)
+    scaled(x).sum().backward()
+    torch.testing.assert_close(x.grad.cpu(), torch.full((4,), 3.0))
+    x.grad = None
+    scaled(x, scale=0.5).sum().backward()
+    torch.testing.assert_close(x.grad.cpu(), torch.full((4,), 0.5))
+    assert seen == [3.0, 0.5]
+    xs, ws = torch.randn(3, 8), torch.rand(8) + 0.5
+    (xc, wc), (xt, wt) = _leaves(xs, ws)
+    rms_norm(xt, wt).sum().backward()  # the example kernel's backward takes eps without default
+    rms_norm_reference(xc, wc).sum().backward()
+    torch.testing.assert_close(xt.grad.cpu(), xc.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(wt.grad.cpu(), wc.grad, rtol=1e-4, atol=1e-5)

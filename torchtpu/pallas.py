@@ -11,10 +11,13 @@ set compiles once).  A function returning one array gives one tensor, otherwise 
 comes from `jax.eval_shape`, whose tpu kernel is an entry of the lowering table (so it runs in
 strict, fused and debug eager and inside `torch.compile(backend="tpu")` graphs with no host
 copies), and whose gradient comes from `jax.vjp` of the function, or from `backward` if given:
-`backward(primals, cotangents, **static)` returns one gradient (or None) per primal.
+`backward(primals, cotangents, **static)` returns one gradient (or None) per primal; `static`
+holds the function's keyword defaults as well as the call's keywords, so `rms_norm(x, w)`
+gives the backward its `eps=1e-6`.
 """
 import ast
 import functools
+import inspect
 import itertools
 import re
 
@@ -44,6 +47,10 @@ class JaxOp:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.backward = backward
+        # The keyword defaults of `fn`: the forward of a call that left them out used them, and
+        # the backward is given the same values (it may declare them without defaults).
+        self.defaults = {name: p.default for name, p in inspect.signature(fn).parameters.items()
+                         if p.default is not inspect.Parameter.empty}
         self.name = f"{re.sub(r'[^0-9a-zA-Z_]', '_', name or fn.__name__)}_{next(_ids)}"
         _library.define(f"{self.name}(Tensor[] args, str static) -> Tensor[]")
         _library.define(f"{self.name}_vjp(Tensor[] args, Tensor?[] cotangents, str static) -> Tensor[]")
@@ -92,7 +99,7 @@ class JaxOp:
                (jnp.zeros(o.shape, o.dtype) if _is_float(o.dtype) else np.zeros(o.shape, jax.dtypes.float0))
                for c, o in zip(cotangents, outs)]
         if self.backward is not None:
-            grads = _as_list(self.backward(tuple(args), tuple(cts), **kwargs))
+            grads = _as_list(self.backward(tuple(args), tuple(cts), **{**self.defaults, **kwargs}))
             return [jnp.zeros(args[i].shape, args[i].dtype) if grads[i] is None else grads[i] for i in diff]
         _, pullback = jax.vjp(f, *primals)
         return list(pullback(cts))
