@@ -97,11 +97,16 @@ class DeviceBuffer:
     """The device memory behind one storage: a JAX array (None until first written, or
     `Pending` while a deferred op will produce it)."""
 
-    __slots__ = ("_array", "nbytes", "index", "dtype", "from_bytes", "shape", "__weakref__")
+    __slots__ = ("_array", "nbytes", "index", "dtype", "from_bytes", "shape", "made_as",
+                 "__weakref__")
 
     def __init__(self, array, nbytes, index, dtype):
         self.from_bytes = False  # raw bytes from torch.load, not yet given their dtype
         self.shape = None  # (unwritten storages) the shape their zeros take, where one is known
+        # (unwritten storages) the shape of the contiguous tensor `empty` made it for: zeros a
+        # graph makes inside its program take it (fused._settle_zeros), so its views are
+        # slices of their dims (strided.py)
+        self.made_as = None
         self._array = array
         if type(array) is Pending:
             array.owner = weakref.ref(self)

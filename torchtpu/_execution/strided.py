@@ -1,9 +1,17 @@
 """Reading and writing a tensor through its sizes/strides/offset over its storage's JAX array.
 
 These run at trace time inside the per-op executables, so the layout logic costs nothing per
-call once compiled.  Fast paths: the whole storage (a reshape), a contiguous range (a slice),
-a strided pattern that is a sub-lattice of a dense layout (reshape + slice + transpose);
-anything else (overlapping windows) becomes a gather with constant indices.
+call once compiled.  Fast paths: the whole storage (a reshape), a view at a known offset that
+is a strided slice of the storage array's own dims (a slice, or an update of one: `_on_dims`),
+a contiguous range (a slice), a strided pattern that is a sub-lattice of a dense layout
+(reshape + slice + transpose); anything else (overlapping windows) becomes a gather with
+constant indices.
+
+A storage's array has the shape of the tensor that made it (in memory order), so most views
+(a chunk's half of each row, a head's columns, a row) are slices of its dims.  Reading them so
+matters on TPU, where an array's memory is tiled by its two minor dims: flattening it to read
+a range is a relayout copy of the whole storage (the Llama step on v5e moved 3.2x JAX's bytes,
+most in such flattening, padding and slicing); on the CPU a flattening is free.
 
 An offset is a Python int or, in op executables (every nonzero offset is an argument there, so
 that views at other offsets share the program), a traced integer: slices become dynamic ones.
@@ -68,10 +76,101 @@ def _slice(flat, offset, n):
     return lax.dynamic_slice(flat, (offset,), (n,))
 
 
+def _on_dims(array_shape, shape, stride, offset):
+    """The view as a strided slice of an array of `array_shape` (its elements in memory
+    order), when it is one: (starts, limits, steps, dims), `dims[d]` the array dim that view dim
+    d walks (None: a size-1 or broadcast dim); else None.  The offset must be known: it gives
+    each array dim's start (its digits in the array's strides)."""
+    if not _static(offset) or not array_shape or 0 in array_shape:
+        return None
+    astrides = contiguous_strides(array_shape)
+    starts = []
+    rest = offset
+    for s in astrides:
+        q, rest = divmod(rest, s)
+        starts.append(q)
+    if starts[0] >= array_shape[0]:
+        return None
+    limits = [b + 1 for b in starts]
+    steps = [1] * len(array_shape)
+    dims = []
+    for n, s in zip(shape, stride):
+        if n == 1 or s == 0:
+            dims.append(None)
+            continue
+        # The outermost dim whose stride divides the view's: the view steps along it.
+        j = next((j for j, (m, t) in enumerate(zip(array_shape, astrides))
+                  if m > 1 and t <= s and s % t == 0), None)
+        if j is None or j in dims:
+            return None
+        step = s // astrides[j]
+        last = starts[j] + (n - 1) * step
+        if last >= array_shape[j]:  # the view crosses into the next of the outer dim
+            return None
+        limits[j], steps[j] = last + 1, step
+        dims.append(j)
+    return starts, limits, steps, dims
+
+
+def _refined(array_shape, shape, stride):
+    """The array's shape with its dims split where the view's strides fall inside them (an
+    array [1024, 1408] read as [8, 128, 704] views of strides (180224, 1408, 1) is an
+    [8, 128, 1408] array), so that each view dim walks a dim of its own; None if the strides
+    do not nest (each a multiple of the next).  Splitting a major dim is free on every
+    platform; a minor one is what the view's layout asks for anyway."""
+    total = math.prod(array_shape)
+    bounds = set(contiguous_strides(array_shape)) | {total}
+    bounds |= {s for n, s in zip(shape, stride) if n > 1 and 0 < s < total}
+    chain = sorted(bounds, reverse=True)
+    if chain[-1] != 1 or any(a % b for a, b in zip(chain, chain[1:])):
+        return None
+    return tuple(a // b for a, b in zip(chain, chain[1:]))
+
+
+def _plan(array_shape, shape, stride, offset):
+    """(the shape to see the array as, _on_dims's plan) for a view that is a strided slice of
+    the array's dims once split (_refined), or None."""
+    plan = _on_dims(array_shape, shape, stride, offset)
+    if plan is not None:
+        return tuple(array_shape), plan
+    if not _static(offset) or not array_shape or 0 in array_shape:
+        return None
+    refined = _refined(array_shape, shape, stride)
+    if refined is None or refined == tuple(array_shape):
+        return None
+    plan = _on_dims(refined, shape, stride, offset)
+    return None if plan is None else (refined, plan)
+
+
+def _read_on_dims(array, shape, plan):
+    starts, limits, steps, dims = plan
+    block = lax.slice(array, starts, limits, steps)
+    used = sorted(j for j in dims if j is not None)
+    block = block.reshape([block.shape[j] for j in used])
+    live = [j for j in dims if j is not None]
+    block = jnp.transpose(block, [used.index(j) for j in live])
+    kept = [n if j is not None else 1 for n, j in zip(shape, dims)]
+    return jnp.broadcast_to(block.reshape(kept), shape)
+
+
+def _write_on_dims(array, shape, plan, value):
+    starts, limits, steps, dims = plan
+    used = sorted(j for j in dims if j is not None)
+    live = [j for j in dims if j is not None]
+    value = value.reshape([n for n, j in zip(shape, dims) if j is not None])
+    value = jnp.transpose(value, [live.index(j) for j in used])
+    block = [limits[j] - starts[j] for j in range(array.ndim)]
+    return lax.dynamic_update_slice(array, value.reshape(block), starts)
+
+
 def read(array, shape, stride, offset, dtype):
     shape, stride = tuple(shape), tuple(stride)
-    if array.dtype == dtype and is_whole(array.shape, shape, stride, offset):
-        return array
+    if array.dtype == dtype:
+        if is_whole(array.shape, shape, stride, offset):
+            return array
+        found = _plan(array.shape, shape, stride, offset)
+        if found is not None:
+            return _read_on_dims(array.reshape(found[0]), shape, found[1])
     flat = _as_dtype(array, dtype).reshape(-1)
     n = math.prod(shape)
     if n == 0:
@@ -132,6 +231,12 @@ def write(array, shape, stride, offset, dtype, value):
     n = math.prod(shape)
     if n == 0:
         return array
+    if array.dtype == dtype:
+        found = _plan(array.shape, shape, stride, offset)
+        # (a view with steps, or one that reads an element twice, is written below)
+        if found is not None and set(found[1][2]) == {1} and all(
+                s != 0 for m, s in zip(shape, stride) if m > 1):
+            return _write_on_dims(array.reshape(found[0]), shape, found[1], value).reshape(array.shape)
     flat = _as_dtype(array, dtype).reshape(-1)
     if stride == contiguous_strides(shape):
         flat = lax.dynamic_update_slice(flat, value.reshape(-1), (offset,))

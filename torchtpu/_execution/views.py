@@ -54,6 +54,10 @@ def _empty(size, stride, dtype, index):
             raise RuntimeError(
                 f"Trying to create tensor with negative dimension {n}: {list(size)}")
     t = storage.wrap(None, size, stride, dtype, index)
+    if tuple(stride) == storage.contiguous_strides(size):
+        # Its zeros, if it is read before written, take its shape (fused.py, storage.py): its
+        # views are then slices of their dims, not of a flat array (strided.py).
+        storage.buffer_of(t).made_as = tuple(size)
     fused.note_new_storage(t)
     return t
 
