@@ -3,6 +3,14 @@ the hand-written `jax.jit` step of the same model and optimizer, per model:
 
     python benchmarks/program_diff.py [--models small,gpt4,llama] [--steps 5] [--repeat 3]
                                       [--dump DIR]  (each program's optimized HLO as text)
+                                      [--target v5e:1x1]  (compiled for a TPU slice instead)
+                                      [--dtype bf16]  (the models' weights and math in bf16)
+
+With `--target`, each mode's programs of a steady step, and JAX's, are compiled for that TPU
+slice by libtpu's compiler (no TPU needed; `pip install -e ".[tpu]"`), and it prints what the
+TPU compiler says of them (torchtpu._core.tpu_compiler.Report): bytes accessed, the roofline,
+HBM per chip, compile seconds, fusions, copies, parameters and 64-bit emulations, each beside
+JAX's.  Nothing is timed then: the CPU's times say nothing of the TPU's.
 
 - "1-exe": `torch.compile(step, backend="tpu", mode="reduce-overhead")`, one executable a step;
 - "compiled": `torch.compile(step, backend="tpu")`, which runs a step as several programs: the
@@ -39,6 +47,7 @@ import torch
 
 import jax_models
 import torchtpu  # noqa: F401
+from torchtpu._core import tpu_compiler
 from torchtpu._execution import fused
 from train_step import build_model, default_options, time_steps, torch_step
 
@@ -59,14 +68,18 @@ LR = 1e-3
 
 
 @contextlib.contextmanager
-def programs_run(into):
+def programs_run(into, target=None):
     """Collects, in order, the executables (jax.stages.Compiled) of the segments that run
-    meanwhile (compiled graphs, graph replays, fused segments)."""
+    meanwhile (compiled graphs, graph replays, fused segments); with `target`, each compiled
+    for that TPU slice instead (tpu_compiler.Report)."""
     run = fused.Segment.run
 
     def recording(self, ext_arrays, call, packed_scalars):
+        if target is not None:  # before the run, which may consume its inputs
+            into.append((self.kind, self.compile_for(target, ext_arrays, packed_scalars, call[0])))
         out = run(self, ext_arrays, call, packed_scalars)
-        into.append((self.kind, self.executables[call[0]].last))
+        if target is None:
+            into.append((self.kind, self.executables[call[0]].last))
         return out
 
     fused.Segment.run = recording
@@ -104,15 +117,19 @@ def total(descriptions):
     return {k: sum(d[k] for d in descriptions) for k in keys}
 
 
-def jax_step(model, idx, tgt):
-    """The hand-written step: (run one step, its loss, its Compiled)."""
+def jax_step(model, idx, tgt, target=None):
+    """The hand-written step: (run one step, its loss, its Compiled); with `target`, its
+    tpu_compiler.Report for that TPU slice instead."""
     step = jax_models.train_step(model, lr=LR)
     params = jax_models.params_of(model)
     zeros = jax.tree.map(jnp.zeros_like, params)
     state = {"p": params, "m": zeros, "v": jax.tree.map(jnp.zeros_like, params), "t": 0}
     ji, jt = jnp.asarray(idx.numpy()), jnp.asarray(tgt.numpy())
-    compiled = jax.jit(step, donate_argnums=(0, 1, 2)).lower(
-        state["p"], state["m"], state["v"], 1, ji, jt).compile()
+    jitted = jax.jit(step, donate_argnums=(0, 1, 2))
+    if target is not None:
+        return tpu_compiler.compile_for(jitted, (state["p"], state["m"], state["v"], 1, ji, jt),
+                                        target, "JAX step")
+    compiled = jitted.lower(state["p"], state["m"], state["v"], 1, ji, jt).compile()
 
     def run():
         state["t"] += 1
@@ -153,7 +170,61 @@ def graph_breaks(model, idx, tgt):
     return e.graph_count, reasons
 
 
+def measure_target(name, a):
+    """The TPU compiler's view of each mode's steady step beside JAX's (module docstring)."""
+    title, make, seq = MODELS[name]
+    torch.manual_seed(0)
+    model = make()
+    if a.dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    idx = torch.randint(0, 1024, (BATCH, seq))
+    tgt = torch.randint(0, 1024, (BATCH, seq))
+    rows = {}
+    for mode in ("1-exe", "compiled"):
+        torchtpu.clear_caches()
+        torch._dynamo.reset()
+        run, _ = tpu_step(model, idx, tgt, mode)
+        run()
+        run()
+        torch.tpu.synchronize()
+        ran = []
+        with programs_run(ran, a.target):
+            run()
+        torch.tpu.synchronize()
+        rows[mode] = [r for _, r in ran]
+    rows["JAX"] = [jax_step(model, idx, tgt, a.target)]
+    print(f"\n{title}, {a.dtype}, batch {BATCH}, AdamW(lr={LR}); compiled for {a.target} "
+          f"({rows['JAX'][0].chip})")
+    header = ("", "programs", "GFLOP", "MB accessed", "roofline ms", "HBM MiB", "temp MiB",
+              "compile s", "fusions", "copies", "params", "64-bit", "concat")
+    print("  " + " | ".join(f"{h:>12s}" for h in header))
+    j = rows["JAX"][0]
+    for m, reports in rows.items():
+        for r in reports:
+            if r.error:
+                print(f"  {m}: {r}")
+        t = tpu_compiler.Reports(reports).total()
+        cells = (m, str(t["programs"]), f"{t['flops'] / 1e9:.2f} {t['flops'] / j.flops:.2f}x",
+                 f"{t['bytes_accessed'] / 1e6:.0f} {t['bytes_accessed'] / j.bytes_accessed:.2f}x",
+                 f"{t['optimal_seconds'] * 1e3:.3f} {t['optimal_seconds'] / j.optimal_seconds:.2f}x",
+                 f"{t['hbm_bytes'] / 2**20:.1f} {t['hbm_bytes'] / j.hbm_bytes:.2f}x",
+                 f"{max(r.temp_bytes for r in reports) / 2**20:.1f}",
+                 f"{t['compile_seconds']:.1f} {t['compile_seconds'] / j.compile_seconds:.2f}x",
+                 str(sum(r.fusions for r in reports)), str(sum(r.copies for r in reports)),
+                 str(sum(r.parameters for r in reports)), str(sum(r.x64_calls for r in reports)),
+                 str(sum(r.concat_bitcasts for r in reports)))
+        print("  " + " | ".join(f"{c:>12s}" for c in cells))
+    if a.dump:
+        os.makedirs(a.dump, exist_ok=True)
+        for m, reports in rows.items():
+            for i, r in enumerate(reports):
+                with open(os.path.join(a.dump, f"{name}-{a.target}-{m}-{i}.hlo"), "w") as f:
+                    f.write(r.text)
+
+
 def measure(name, a):
+    if a.target:
+        return measure_target(name, a)
     title, make, seq = MODELS[name]
     torch.manual_seed(0)
     model = make()
@@ -229,6 +300,9 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dump", help="write each optimized program's HLO text under this folder")
+    ap.add_argument("--target", help="a TPU slice to compile for (v5e:1x1, v6e:1x1, ...), untimed")
+    ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
+                    help="with --target: the models' dtype")
     a = ap.parse_args()
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; torch {torch.__version__}; "
           f"{time.strftime('%Y-%m-%d')}")

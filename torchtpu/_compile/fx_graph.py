@@ -114,7 +114,7 @@ class Captured:
                      if isinstance(src, int)}
         guarded = [(r, read_from[j]) for j, r in self.mutations if j in read_from]
         self.segment = fused.Segment(self.signature, result_slots, self.scalar_types, "graph",
-                                     guarded)
+                                     guarded, fused.baked(tr.scalars, self.scalar_types))
         # (this call's input arrays would stay referenced: the first run could not donate them
         # and the second would compile an executable of its own)
         tr.release()

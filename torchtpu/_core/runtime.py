@@ -15,6 +15,34 @@ def enable_x64():
 
 enable_x64()
 
+
+def skip_absent_tpu():
+    """With libtpu installed on a machine without a TPU chip (a laptop, CI, a GPU host that
+    compiles for TPU targets: tpu_compiler.py), JAX would still load libtpu to look for chips at
+    its first use, printing libtpu's complaints about the host to stderr and taking seconds.
+    The chips a host has are on its PCI bus (what JAX itself reads to configure Cloud TPU VMs),
+    so where there are none JAX's TPU backend fails at once, quietly, as JAX lets a backend
+    fail (the platform stays known: lowering rules are registered for it).  Left alone where the user
+    chose platforms (JAX_PLATFORMS, TORCHTPU_PLATFORM=tpu, JAX_FORCE_TPU_INIT) or where JAX's
+    backends already started.  At import: before any backend starts (patches.PATCHES)."""
+    from jax._src import hardware_utils, xla_bridge
+    if (jax.config.jax_platforms or os.environ.get("JAX_FORCE_TPU_INIT")
+            or os.environ.get("TORCHTPU_PLATFORM", "").strip().lower() == "tpu"
+            or "tpu" not in xla_bridge._backend_factories or xla_bridge.backends_are_initialized()):
+        return
+    if hardware_utils.num_available_tpu_chips_and_device_id()[0] == 0:
+        import dataclasses
+        xla_bridge._backend_factories["tpu"] = dataclasses.replace(
+            xla_bridge._backend_factories["tpu"], factory=_no_tpu_chip, fail_quietly=True)
+
+
+def _no_tpu_chip(*args, **kwargs):
+    raise RuntimeError("no TPU chip on this host's PCI bus (torchtpu did not load libtpu; "
+                       "TORCHTPU_PLATFORM=tpu or JAX_PLATFORMS=tpu makes it try)")
+
+
+skip_absent_tpu()
+
 _PLATFORM_ORDER = ("tpu", "gpu", "cpu")
 _state = threading.local()
 

@@ -33,7 +33,7 @@ import time
 import jax
 import torch
 
-from .._core import metrics, runtime, version
+from .._core import metrics, runtime, tpu_compiler, version
 
 _FORMAT = 3
 _store = None
@@ -142,10 +142,11 @@ class Executable:
     index-check messages): save() is stored with the entry, restore(value) runs on a load."""
 
     __slots__ = ("jitted", "key", "name", "describe", "traced", "last", "last_sig", "built",
-                 "lock", "compiling")
+                 "lock", "compiling", "fn", "options")
 
     def __init__(self, fn, key, name, describe=None, traced=None, **options):
         self.jitted = jax.jit(fn, **options)
+        self.fn, self.options = fn, options  # (a TPU target's build: tpu_compiler.alongside)
         self.key = key
         self.name = name
         self.describe = describe
@@ -177,6 +178,11 @@ class Executable:
 
     def has(self, *args):
         return signature(args) in self.built
+
+    def compile_for(self, target, *args):
+        """This program on these arguments compiled for a TPU target (tpu_compiler.Report)."""
+        return tpu_compiler.compile_for(tpu_compiler.retargeted(self.fn, self.options), args,
+                                        target, self.name)
 
     def lower(self, *args):
         return self.jitted.lower(*args)
@@ -240,7 +246,7 @@ class Executable:
                 entry_key = f"torchtpu-{self.name.split('(')[0][:40]}-{digest}"
                 compiled = self._load(entry_key)
                 if compiled is not None:
-                    self._note_build(sig, loaded=True)
+                    self._note_build(sig, args, loaded=True)
                     self._keep(sig, compiled)
                     return compiled
             counters = metrics.counters
@@ -248,7 +254,7 @@ class Executable:
             traced = self.jitted.trace(*args)
             counters["trace_seconds"] += time.perf_counter() - t0
             counters["executables_compiled"] += 1
-            self._note_build(sig, loaded=False)
+            self._note_build(sig, args, loaded=False)
             if pool is None:
                 compiled = self._compile(traced, sig, entry_key)
                 self._keep(sig, compiled)
@@ -319,9 +325,11 @@ class Executable:
         counters["cache_load_seconds"] += time.perf_counter() - start
         return compiled
 
-    def _note_build(self, sig, loaded):
+    def _note_build(self, sig, args, loaded):
         what = self.describe() if self.describe is not None else _describe_signature(sig)
         metrics.note_build(self.name, what + (" (loaded)" if loaded else ""))
+        if tpu_compiler.active() is not None:  # inside torch.tpu.compile_for(target)
+            tpu_compiler.alongside(self.compile_for, args)
 
 
 def _describe_signature(sig):

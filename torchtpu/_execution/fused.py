@@ -14,6 +14,7 @@ only replays it.  Intermediate values that no live tensor holds are never materi
 storages that the segment overwrites are donated to it where the platform supports donation.
 """
 import contextlib
+import math
 import os
 import signal
 import sys
@@ -483,13 +484,27 @@ def _as_weak(v):
     return _convert_element_type(v, weak_type=True)
 
 
-def structure_key(signature, outputs, scalar_types, guarded):
+def structure_key(signature, outputs, scalar_types, guarded, constants=None):
     """A recorded op sequence's key in the persistent cache (None: not storable): its ops' own
-    keys, their wiring, what it returns and which inputs it overwrites."""
+    keys, their wiring, what it returns, which inputs it overwrites, and the numbers it bakes
+    in."""
     ops = [(getattr(c.fn, "key", None), wiring, n) for c, wiring, n in signature]
     if any(k is None for k, _, _ in ops):
         return None
-    return executables.stable((ops, outputs, [t.__name__ for t in scalar_types], tuple(guarded)))
+    return executables.stable((ops, outputs, [t.__name__ for t in scalar_types], tuple(guarded))
+                              + ((constants,) if constants is not None else ()))
+
+
+def baked(scalars, scalar_types):
+    """The numbers a graph bakes into its program (Segment's `constants`): every Python number
+    of the recording (None in the place of each random op's (seed, offset), drawn anew for
+    every run).  A graph runs with the numbers of its capture (torch.tpu graphs, a whole step)
+    or is recorded per value of them (a compiled graph: its key holds its inputs' offsets and
+    its non-tensor arguments), so they are constants of its program, as they are of JAX's:
+    XLA folds them, and the views' offsets among them make static slices of the storages'
+    dims (strided.py) where runtime offsets made dynamic slices of flattened storages, which
+    on TPU cost a relayout of the storage each (and 64-bit emulation for the offsets)."""
+    return tuple(v if t in PACKED else None for v, t in zip(scalars, scalar_types))
 
 
 def checks_info(signature):
@@ -514,8 +529,8 @@ class Segment:
     __slots__ = ("structure", "executables", "has_checks", "kind", "key", "name", "patterns",
                  "mesh", "collectives", "orders")
 
-    def __init__(self, signature, outputs, scalar_types, kind, guarded=()):
-        self.structure = (signature, outputs, scalar_types, tuple(guarded))
+    def __init__(self, signature, outputs, scalar_types, kind, guarded=(), constants=None):
+        self.structure = (signature, outputs, scalar_types, tuple(guarded), constants)
         self.executables = {}
         self.orders = {}  # donation pattern -> _Order
         self.has_checks = None  # known once traced
@@ -667,6 +682,12 @@ class Segment:
     def lower(self, ext_arrays, packed_scalars):
         return self._make((False,) * len(ext_arrays)).lower([], ext_arrays, packed_scalars)
 
+    def compile_for(self, target, ext_arrays, packed_scalars, donate):
+        """The program of this donation pattern compiled for a TPU target
+        (tpu_compiler.Report), as it is built to run here."""
+        return self._make(donate).compile_for(
+            target, *self.order(donate).split(ext_arrays), packed_scalars)
+
     def export(self, ext_arrays, packed_scalars, platforms):
         """StableHLO text of the program for `platforms` (spmd.export), whose devices this
         process need not have; a segment without collectives is one device's program."""
@@ -733,15 +754,18 @@ class _Order:
         return [ext_arrays[k] for k in self.donated], [ext_arrays[k] for k in self.kept]
 
 
-def segment_function(signature, outputs, scalar_types, guarded, order):
+def segment_function(signature, outputs, scalar_types, guarded, constants, order):
     """The recorded ops as one JAX function: (donated, kept, packed scalars) -> (results, each
     op's checks), arguments and results in `order` (_Order).  `guarded`: (result, input) pairs,
     the storages a graph overwrites: where a check fails, result r is input k unchanged, so a
-    failure read later changed nothing."""
+    failure read later changed nothing.  `constants` (`baked`, or None): the numbers that are
+    constants of the program rather than read from `packed`."""
     def segment(donated, kept, packed):
         given = list(donated) + list(kept)
         ext = [given[p] for p in order.inputs]
         scalars = _unpack_scalars(packed, scalar_types)
+        if constants is not None:
+            scalars = _with_constants(scalars, scalar_types, constants, signature)
         slots = []
         checks = []
         pos = 0
@@ -764,6 +788,26 @@ def segment_function(signature, outputs, scalar_types, guarded, order):
     return segment
 
 
+def _with_constants(scalars, scalar_types, constants, signature):
+    """`scalars` with the baked numbers in place of the packed ones: the views' offsets (the
+    last `n_offsets` numbers of an op) as Python ints, so strided.py slices statically; the
+    others as weakly typed constants of their packed dtype, so they promote as the packed
+    values did."""
+    scalars = list(scalars)
+    offsets = set()
+    pos = 0
+    for compiled, _, n_scalars in signature:
+        n = getattr(compiled, "n_offsets", 0)
+        offsets.update(range(pos + n_scalars - n, pos + n_scalars))
+        pos += n_scalars
+    for i, (v, t) in enumerate(zip(constants, scalar_types)):
+        if v is None:
+            continue
+        scalars[i] = int(v) if i in offsets else (
+            np.asarray(v, np.bool_) if t is bool else _as_weak(np.asarray(v, PACKED[t])))
+    return scalars
+
+
 def _zeros_input(tr, buf, op, position):
     """The external input standing for an unwritten storage (made by `empty` or `zeros`: it
     reads as zeros) that op `op` reads as its input `position`; what it is, _settle_zeros
@@ -780,7 +824,7 @@ def _zeros_input(tr, buf, op, position):
             tr.ext_buffers.append(buf)
         dtype = np.dtype(buf.dtype)
         tr.unwritten[k] = (weakref.ref(buf), (buf.nbytes // dtype.itemsize, dtype.name), [],
-                           buf.shape)
+                           buf.shape, buf.made_as)
     tr.unwritten[k][2].append((op, position))
     return k
 
@@ -800,12 +844,15 @@ def _settle_zeros(tr):
     second step, and the cause is not found yet (test_ddp_and_fsdp2_train_like_one_process
     [fused]; it failed as well with an array of zeros also passed at the same input, so the
     zeros' values were right)."""
-    for k, (ref, zeros, readers, shape) in tr.unwritten.items():
+    for k, (ref, zeros, readers, shape, made_as) in tr.unwritten.items():
         if tr.mesh is not None or (ref() is not None and not tr.captured):
             dtype = np.dtype(zeros[1])
             tr.ext_arrays[k] = storage.zeros_for(zeros[0] * dtype.itemsize, dtype, tr.device, shape)
         else:
             tr.ext_arrays[k] = _placeholder(zeros[1], tr.device)
+            shape = shape or made_as
+            if shape is not None and math.prod(shape) == zeros[0]:
+                zeros = (tuple(shape), zeros[1])  # made in the shape of its tensor (strided.py)
             for op, position in readers:
                 program, wiring, n = tr.signature[op]
                 tr.signature[op] = (program, wiring[:position] + (zeros,) + wiring[position + 1:], n)

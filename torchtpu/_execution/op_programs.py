@@ -41,7 +41,7 @@ class Compiled:
     collective the mesh it runs over."""
     __slots__ = ("key", "fn", "run", "out_specs", "wrap_specs", "writes", "check_info", "returns",
                  "list_len", "recheck_overlap", "meta_returns", "variants", "program", "draws",
-                 "mesh", "collective")
+                 "mesh", "collective", "n_offsets")
 
     def with_outputs(self, out_specs):
         """The same executable giving its outputs other layouts (`variants`).  `program`, the
@@ -231,6 +231,7 @@ def build(kernel, vals, buffers, scalars, device):
 
     # Tensor slots as the lowering sees them, in schema order.
     slots, write_targets, n_offsets = _slots(kernel, vals, buffers)
+    compiled.n_offsets = n_offsets  # `run`'s last arguments (a graph bakes them in: fused.py)
     compiled.writes = sorted({j for j, *_ in write_targets})
     # Whether a written tensor and another argument overlap depends on their offsets, which
     # the key leaves out: a call whose written storage another argument shares checks again.

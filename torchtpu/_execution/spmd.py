@@ -295,6 +295,9 @@ class Program:
     def prepare(self, *args):
         return self.executable.prepare(*self._global(args))
 
+    def compile_for(self, target, *args):
+        return self.executable.compile_for(target, *self._global(args))
+
     def start(self, args, pool):
         return self.executable.start(self._global(args), pool)
 

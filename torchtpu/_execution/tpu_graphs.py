@@ -136,7 +136,8 @@ class TPUGraph:
         # One runner for recorded op sequences: the graph is a fused.Segment whose results
         # for the storages it overwrites are guarded (a failed check keeps them), so it
         # donates them even where index checks can fail.
-        self._segment = fused.Segment(tuple(tr.signature), slots, types, "tpu_graph", guarded)
+        self._segment = fused.Segment(tuple(tr.signature), slots, types, "tpu_graph", guarded,
+                                      fused.baked(tr.scalars, types))
         # Loaded from the store, or compiled on a thread of its own while the host goes on
         # (the first replay waits for it); traced here, so that what the lowering refuses
         # raises here.
@@ -203,6 +204,18 @@ class TPUGraph:
 
     def enable_debug_mode(self):
         pass
+
+    def compile_for(self, target):
+        """The captured step compiled for a TPU slice (`target`, e.g. "v5e:1x1", "v6e:2x2",
+        "v5e:16x16") by libtpu's compiler, which needs no TPU: a Report of its HBM per chip
+        (and whether it fits), the compiler's roofline, FLOPs and bytes, fusions, copies,
+        64-bit emulation, collectives and whether each overlaps compute, and compile seconds
+        (docs/tpu.md)."""
+        if not self._captured:
+            raise RuntimeError("torch.tpu graphs: compile_for() of a graph that was not captured")
+        arrays = [b.value() for b in self._inputs]
+        return self._segment.compile_for(target, arrays, self._scalars.for_run(),
+                                         tuple(bool(h) for h in self._held))
 
     def debug_dump(self, debug_path, platform=None):
         """Write the StableHLO of the captured step to `debug_path`: as this process runs it,

@@ -123,6 +123,10 @@ PATCHES = [
     Patch(("jax.config.jax_enable_x64",),
           "int64 (PyTorch's index type) and float64 would silently narrow",
           runtime.enable_x64, "_core/runtime.py, at import: before any array exists"),
+    Patch(("jax._src.xla_bridge._backend_factories",),
+          "with libtpu installed and no TPU chip on the PCI bus, JAX would load libtpu at its "
+          "first use and print its complaints about the host; its TPU backend is not offered",
+          runtime.skip_absent_tpu, "_core/runtime.py, at import: before any backend starts"),
     Patch(("torch.tpu.__class__",), "torch.tpu.eager_mode reads and assigns like an attribute",
           torch_tpu.use_device_module_class,
           "_frontend/torch_tpu.py, at import: before the module is registered as torch.tpu"),

@@ -101,6 +101,16 @@ class device_of(device):
         super().__init__(obj.get_device() if obj.device.type == "tpu" else -1)
 
 
+def compile_for(target):
+    """`with torch.tpu.compile_for("v5e:1x1") as reports:` - every program built inside
+    (strict ops, fused segments, compiled graphs, captured steps) is also compiled for that TPU
+    slice by libtpu's compiler, which needs no TPU, and `reports` gets one Report each: HBM per
+    chip, roofline, FLOPs, bytes, fusions, copies, collectives, compile seconds (docs/tpu.md).
+    `TPUGraph.compile_for(target)` does it for one captured step."""
+    from .._core import tpu_compiler
+    return tpu_compiler.Targeting(target)
+
+
 def synchronize(device=None):
     """Run any deferred (fused) ops, then wait until every queued op on the device has finished."""
     from .._execution import fused, sync

@@ -1,0 +1,139 @@
+"""Our programs compiled for TPU slices by libtpu's compiler, which runs without a TPU
+(torchtpu._core.tpu_compiler, torch.tpu.compile_for, TPUGraph.compile_for)."""
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+import torch
+
+import torchtpu
+from torchtpu._core import tpu_compiler
+
+pytestmark = pytest.mark.skipif(not tpu_compiler.have_libtpu(),
+                                reason="libtpu is not installed (pip install -e '.[test]' brings it)")
+
+
+def test_libtpu_installed_without_a_tpu_stays_on_the_cpu_quietly():
+    """With libtpu installed and no TPU chip, the device is the CPU at once and libtpu says
+    nothing (it would print its complaints about the host at JAX's first use)."""
+    code = ("import torch, torchtpu; x = torch.ones(2, device='tpu') + 1; "
+            "print(torchtpu._runtime.platform(), x.cpu().tolist())")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_PLATFORMS", "TORCHTPU_PLATFORM", "JAX_FORCE_TPU_INIT")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["cpu", "[2.0,", "2.0]"]
+    assert "TPU" not in out.stderr and "libtpu" not in out.stderr, out.stderr
+
+
+def test_a_strict_op_compiled_for_v5e_inside_compile_for():
+    x = torch.randn(256, 512, device="tpu")
+    w = torch.randn(512, 128, device="tpu")
+    torchtpu.clear_caches()
+    with torch.tpu.compile_for("v5e:1x1") as reports:
+        y = x @ w
+    assert y.shape == (256, 128)  # the op ran here as usual
+    torch.testing.assert_close(y.cpu(), x.cpu() @ w.cpu(), rtol=1e-4, atol=1e-4)
+    (r,) = [r for r in reports if "mm" in r.name]
+    assert not r.error and r.chip == "v5e" and r.fits
+    assert r.flops == 2 * 256 * 512 * 128
+    # At least its inputs and output cross HBM once; the roofline is positive.
+    assert r.bytes_accessed >= 4 * (256 * 512 + 512 * 128 + 256 * 128)
+    assert r.optimal_seconds > 0 and r.x64_calls == 0
+    assert r.parameters == 2 and r.outputs == 1
+    assert r.hbm_capacity == 16 * 2**30 and r.hbm_bytes >= r.argument_bytes > 0
+    assert "v5e" in str(r) and "compiled in" in str(r)
+
+
+def _mlp_step(capturable):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 10)).to("tpu")
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, capturable=capturable)
+    x = torch.randn(32, 64, device="tpu")
+    y = torch.randint(0, 10, (32,), device="tpu")
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        loss = torch.nn.functional.cross_entropy(m(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+    return m, step
+
+
+def test_a_captured_step_compiled_for_v6e():
+    m, step = _mlp_step(capturable=True)
+    step()
+    step()
+    g = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g):
+        step()
+    before = [p.detach().cpu().clone() for p in m.parameters()]
+    r = g.compile_for("v6e:1x1")
+    # Compiling for a target neither runs the step nor touches its storages.
+    for p, b in zip(m.parameters(), before):
+        torch.testing.assert_close(p.detach().cpu(), b, rtol=0, atol=0)
+    g.replay()
+    assert not r.error, r.error
+    # (the roofline is a float32 from which 5 emulated 64-bit calls' -1 s each were taken
+    # back: this step's microseconds are below its rounding, see tpu_compiler)
+    assert r.chip == "v6e" and r.fits and r.optimal_seconds >= 0
+    # forward + backward of two Linear layers at least: 3 matmuls each.
+    assert r.flops >= 3 * 2 * 32 * (64 * 128 + 128 * 10)
+    # The step's parameters, gradients and AdamW's moments are its inputs and results.
+    n = sum(p.numel() for p in m.parameters())
+    assert r.argument_bytes >= 4 * n * 4
+    assert r.alias_bytes >= 4 * n * 3  # parameters, moments: written in place
+    with pytest.raises(RuntimeError, match="not captured"):
+        torch.tpu.TPUGraph().compile_for("v5e:1x1")
+
+
+def test_64_bit_emulation_is_counted_and_the_roofline_corrected():
+    """libtpu's cost model counts each X64Split*/X64Combine as -1 s; the report adds them back."""
+    x = jax.ShapeDtypeStruct((1024,), jnp.int64)
+    r = tpu_compiler.compile_for(jax.jit(lambda a: (a * 3 + 1).sum()), (x,), "v5e:1x1")
+    assert r.x64_calls >= 3
+    assert 0 <= r.optimal_seconds < 1e-3
+
+
+def test_a_program_larger_than_the_chip_is_reported_not_raised():
+    big = jax.ShapeDtypeStruct((5 * 2**30,), jnp.float32)  # 20 GiB, a v5e chip has 16
+    r = tpu_compiler.compile_for(jax.jit(lambda a: a * 2), (big,), "v5e:1x1")
+    assert not r.fits
+    assert r.error or r.hbm_bytes > r.hbm_capacity
+    assert "v5e:1x1" in str(r)
+
+
+def test_collectives_and_their_overlap_are_read_from_the_tpu_schedule():
+    """An FSDP-like step on 4 chips: the weights' all-gathers are scheduled by the TPU compiler,
+    some inside async collective fusions (overlapped with the matmuls)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    devices = tpu_compiler.topology("v5e:2x2")
+    mesh = Mesh(tpu_compiler._grid(devices, (4,)), ("fsdp",))
+
+    def loss(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ jax.lax.with_sharding_constraint(w, NamedSharding(mesh, P())))
+        return x.sum()
+
+    def step(ws, x):
+        return [w - 0.1 * g for w, g in zip(ws, jax.grad(loss)(ws, x))]
+
+    shard = NamedSharding(mesh, P("fsdp"))
+    ws = [jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16, sharding=shard) for _ in range(4)]
+    x = jax.ShapeDtypeStruct((4 * 1024, 1024), jnp.bfloat16, sharding=shard)
+    r = tpu_compiler.compile_for(jax.jit(step), (ws, x), "v5e:2x2")
+    assert not r.error, r.error
+    gathers, overlapped = r.collectives["all-gather"]
+    assert gathers >= 4 and 1 <= overlapped <= gathers
+
+
+def test_unknown_targets_and_bad_names_raise_value_error():
+    with pytest.raises(ValueError, match="v5e:1x1"):
+        torch.tpu.compile_for("v5e")
+    with pytest.raises(ValueError, match="does not know"):
+        torch.tpu.compile_for("v99:7x7")

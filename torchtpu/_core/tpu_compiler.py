@@ -1,0 +1,334 @@
+"""Our programs compiled for a TPU slice this machine need not have, and what the compiler says.
+
+libtpu's compiler runs without a TPU: `jax.experimental.topologies.get_topology_desc` gives
+compile-only devices of a named slice ("v5e:1x1", "v6e:2x2", "v5p:2x2x1", "v5e:16x16"), and a
+`jax.jit` traced on arrays placed on them lowers and compiles for that slice.  The result is
+the program a TPU would run: its HBM per chip (`memory_analysis`), its roofline
+(`cost_analysis()["optimal_seconds"]`), and its TPU-scheduled HLO.  `compile_for(fn, args,
+target)` does that for any jitted function of ours and its (CPU) arguments, moving each
+argument's placement onto the target's devices; `Report` holds what a user checks before
+renting the slice.  The context (`targeting`) and the hook `alongside` make every program
+built meanwhile (strict ops, fused segments, compiled graphs, captured steps) compile for the
+target too (executables.Executable calls `alongside`).
+
+Facts of libtpu 0.0.42 (jax 0.10.2) this relies on, measured here:
+- a 1x1 slice needs `chips_per_host_bounds=[1, 1, 1]`;
+- `optimal_seconds` counts every `X64Split*`/`X64Combine`/`ConcatBitcast` custom call as -1 s
+  (a program with 3 of them and nothing else reports -3.0); they are added back, which leaves
+  the roofline of a program with n of them precise to about n x 0.5 us (a float32's rounding
+  at n seconds);
+- compile-only devices have no memory statistics: a chip's HBM is this file's table, and a
+  program that does not fit fails to compile with RESOURCE_EXHAUSTED (reported, not raised).
+"""
+import collections
+import contextlib
+import dataclasses
+import functools
+import os
+import re
+import threading
+import time
+
+import jax
+
+# Per chip, by JAX's device_kind: HBM bytes, peak dense bf16 FLOP/s, HBM bytes/s (Cloud TPU's
+# published figures).  `optimal_seconds` already uses the compiler's own model; these only
+# name the chip's capacity and peak in the report.
+CHIPS = {
+    "TPU v4": ("v4", 32 * 2**30, 275e12, 1.2e12),
+    "TPU v5 lite": ("v5e", 16 * 2**30, 197e12, 0.819e12),
+    "TPU v5": ("v5p", 95 * 2**30, 459e12, 2.765e12),
+    "TPU v6 lite": ("v6e", 32 * 2**30, 918e12, 1.64e12),
+}
+# Custom calls libtpu's cost model counts as -1 s each (see above): 64-bit integer emulation
+# and the bitcast that concatenates a sliced copy.
+_NEGATIVE_COST_CALLS = ("X64SplitLow", "X64SplitHigh", "X64Combine", "ConcatBitcast")
+_COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+
+def have_libtpu():
+    """Whether libtpu's compiler is installed (`pip install torchtpu[tpu]` or `libtpu`)."""
+    from jax._src import cloud_tpu_init
+    return cloud_tpu_init.get_tpu_library_path() is not None
+
+
+@functools.lru_cache(maxsize=None)
+def topology(target):
+    """The compile-only devices of `target`, e.g. "v5e:1x1", "v6e:2x2", "v5p:2x2x1"."""
+    if not isinstance(target, str) or ":" not in target:
+        raise ValueError(f"a TPU target is named like 'v5e:1x1' or 'v5p:2x2x1', got {target!r}")
+    if not have_libtpu():
+        raise RuntimeError("compiling for a TPU target needs libtpu: pip install 'torchtpu[tpu]' "
+                           "(or `pip install libtpu`); no TPU is needed")
+    from jax.experimental import topologies
+    bounds = target.split(":", 1)[1].split("x")
+    single = all(b == "1" for b in bounds)
+    options = {"chips_per_host_bounds": [1, 1, 1]} if single else {}
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # a TPU-less host: no lock needed
+    with _quiet_stderr():
+        try:
+            topo = topologies.get_topology_desc(platform="tpu", topology_name=target, **options)
+        except Exception as e:  # noqa: BLE001 - libtpu's own words, with the name it refused
+            raise ValueError(f"libtpu does not know the TPU target {target!r}: {e}") from None
+    return topo.devices
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """libtpu prints what it could not learn of the host (TPU_ACCELERATOR_TYPE, worker
+    hostnames) to the process's stderr when it loads; meaningless for a compile-only target,
+    so hidden unless TORCHTPU_VERBOSE_LIBTPU=1."""
+    if os.environ.get("TORCHTPU_VERBOSE_LIBTPU") == "1":
+        yield
+        return
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _target_sharding(sharding, devices):
+    """`sharding` (over this process's devices) moved onto the target's `devices`: the same
+    mesh shape, axis names and partition over the first devices of the target."""
+    from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+    if isinstance(sharding, NamedSharding):
+        n = sharding.mesh.devices.size
+        if n > len(devices):
+            raise ValueError(f"the program runs on {n} devices; the target has {len(devices)}")
+        mesh = Mesh(_grid(devices[:n], sharding.mesh.devices.shape), sharding.mesh.axis_names)
+        return NamedSharding(mesh, sharding.spec)
+    if sharding is None or isinstance(sharding, SingleDeviceSharding) or len(sharding.device_set) == 1:
+        return SingleDeviceSharding(devices[0])
+    raise TypeError(f"cannot move a {type(sharding).__name__} onto a TPU target")
+
+
+def _grid(devices, shape):
+    import numpy as np
+    return np.array(devices, dtype=object).reshape(shape)
+
+
+def target_args(args, devices):
+    """`args` (arrays, ShapeDtypeStructs, Python numbers, in any pytree) as ShapeDtypeStructs
+    placed on the target's devices; numbers stay numbers (traced as JAX traces them)."""
+    def move(x):
+        if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+            weak = x.aval.weak_type if isinstance(x, jax.Array) else x.weak_type
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=weak,
+                                        sharding=_target_sharding(getattr(x, "sharding", None), devices))
+        if hasattr(x, "shape") and hasattr(x, "dtype"):  # numpy: placed on the first chip
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_target_sharding(None, devices))
+        return x
+    return jax.tree_util.tree_map(move, args)
+
+
+@dataclasses.dataclass
+class Report:
+    """What the TPU compiler says of one program for one target (per chip)."""
+    name: str
+    target: str
+    chip: str = ""
+    error: str = ""            # the compiler's refusal (a program too large for HBM, ...)
+    fits: bool = False
+    compile_seconds: float = 0.0
+    flops: float = 0.0
+    bytes_accessed: float = 0.0
+    optimal_seconds: float = 0.0  # the compiler's roofline, corrected (module docstring)
+    hbm_bytes: int = 0         # arguments + outputs - aliased + temporaries
+    hbm_capacity: int = 0
+    argument_bytes: int = 0
+    output_bytes: int = 0
+    alias_bytes: int = 0
+    temp_bytes: int = 0
+    parameters: int = 0
+    outputs: int = 0
+    fusions: int = 0
+    copies: int = 0            # copies in the entry computation (not copy-start/done: those
+                               # move a buffer between HBM and the chip's VMEM, JAX's too)
+    x64_calls: int = 0         # 64-bit integer emulation (X64Split*/X64Combine)
+    concat_bitcasts: int = 0
+    collectives: dict = dataclasses.field(default_factory=dict)  # kind -> (count, overlapped)
+    text: str = dataclasses.field(default="", repr=False)  # the TPU-scheduled HLO
+
+    def as_dict(self):
+        d = dataclasses.asdict(self)
+        d.pop("text")
+        return d
+
+    def __str__(self):
+        if self.error:
+            return f"{self.name} on {self.target}: does not compile: {self.error}"
+        coll = ", ".join(f"{k} {n} ({o} overlapped)" for k, (n, o) in sorted(self.collectives.items()))
+        return (f"{self.name} on {self.target} ({self.chip}): HBM {self.hbm_bytes / 2**20:.1f} MiB "
+                f"of {self.hbm_capacity / 2**30:.0f} GiB per chip (temporaries "
+                f"{self.temp_bytes / 2**20:.1f} MiB); roofline {self.optimal_seconds * 1e3:.4g} ms; "
+                f"{self.flops / 1e9:.3f} GFLOP, {self.bytes_accessed / 1e6:.1f} MB accessed; "
+                f"{self.fusions} fusions, {self.copies} copies, {self.parameters} parameters, "
+                f"{self.x64_calls} 64-bit emulations; collectives: {coll or 'none'}; "
+                f"compiled in {self.compile_seconds:.1f} s")
+
+
+def compile_for(jitted, args, target, name="program"):
+    """Compile `jitted` (a `jax.jit` function) on `args` (this process's arrays, or their
+    ShapeDtypeStructs) for `target`, and report.  A program the TPU compiler refuses (too large
+    for HBM, an op it cannot lower) gives a Report with `error`, never a crash of this process
+    for what libtpu reports as an error."""
+    devices = topology(target)
+    kind = devices[0].device_kind
+    chip, capacity, _, _ = CHIPS.get(kind, (kind, 0, 0.0, 0.0))
+    report = Report(name=name, target=target, chip=chip, hbm_capacity=capacity)
+    start = time.perf_counter()
+    try:
+        with _quiet_stderr():
+            compiled = jitted.trace(*target_args(args, devices)).lower().compile()
+    except Exception as e:  # noqa: BLE001 - libtpu's error, reported with the program's name
+        report.compile_seconds = time.perf_counter() - start
+        report.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:500]}"
+        return report
+    report.compile_seconds = time.perf_counter() - start
+    read(compiled, report)
+    return report
+
+
+def read(compiled, report):
+    """Fill `report` from a TPU `jax.stages.Compiled`."""
+    text = compiled.as_text()
+    report.text = text
+    calls = collections.Counter(re.findall(r'custom_call_target="(\w+)"', text))
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    report.flops = float(cost.get("flops", 0.0))
+    report.bytes_accessed = float(cost.get("bytes accessed", 0.0))
+    report.optimal_seconds = float(cost.get("optimal_seconds", 0.0)) + sum(
+        calls[c] for c in _NEGATIVE_COST_CALLS)
+    m = compiled.memory_analysis()
+    report.argument_bytes = m.argument_size_in_bytes
+    report.output_bytes = m.output_size_in_bytes
+    report.alias_bytes = m.alias_size_in_bytes
+    report.temp_bytes = m.temp_size_in_bytes
+    report.hbm_bytes = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                        + m.temp_size_in_bytes)
+    report.fits = not report.hbm_capacity or report.hbm_bytes <= report.hbm_capacity
+    report.outputs = len(jax.tree_util.tree_leaves(compiled.out_info))
+    report.x64_calls = sum(calls[c] for c in _NEGATIVE_COST_CALLS[:3])
+    report.concat_bitcasts = calls["ConcatBitcast"]
+    opcodes = collections.Counter(op for _, op in entry_instructions(text))
+    report.parameters = opcodes["parameter"]
+    report.fusions = opcodes["fusion"]
+    report.copies = opcodes["copy"]
+    report.collectives = collectives(text)
+    return report
+
+
+def entry_instructions(text):
+    """(name, opcode) of each instruction of the entry computation, in schedule order."""
+    start = text.index("\nENTRY")
+    entry = text[start:text.index("\n}", start)]
+    return re.findall(r"^\s*(?:ROOT )?(%[\w.-]+) = (?:\([^=]*?\)|\S+) ([a-z][\w-]*)\(", entry, re.M)
+
+
+def collectives(text):
+    """{kind: (how many, how many overlap compute)} of the program's collectives.  The TPU
+    scheduler overlaps a collective with compute by fusing them into an
+    `async_collective_fusion` computation, or by an async start ... done pair with compute
+    scheduled between them; a collective elsewhere (a plain `all-reduce` in the entry
+    computation, or in a fusion of its own) runs alone."""
+    found = collections.defaultdict(lambda: [0, 0])
+    computation = ""
+    pending = {}  # an entry-level start -> whether compute was scheduled since it
+    for line in text.splitlines():
+        header = re.match(r"^(?:ENTRY )?(%[\w.-]+) ", line)
+        if header and line.rstrip().endswith("{"):
+            computation = header.group(1)
+            continue
+        m = re.search(r"= (?:\([^=]*?\)|\S+) (" + "|".join(_COLLECTIVES) + r")(-start|-done)?\(", line)
+        op = re.search(r"= (?:\([^=]*?\)|\S+) ([a-z][\w-]*)\(", line)
+        if m is None:
+            if op is not None and op.group(1) in ("fusion", "convolution", "dot", "custom-call"):
+                for k in pending:
+                    pending[k] = True
+            continue
+        kind, phase = m.group(1), m.group(2)
+        name = re.match(r"\s*(?:ROOT )?(%[\w.-]+)", line).group(1)
+        if phase == "-start":
+            pending[name] = False
+            found[kind][0] += 1
+        elif phase == "-done":
+            started = re.search(r"-done\((%[\w.-]+)", line)
+            if started is not None and pending.pop(started.group(1), False):
+                found[kind][1] += 1
+        else:
+            found[kind][0] += 1
+            if computation.startswith("%async_collective_fusion"):
+                found[kind][1] += 1
+    return {k: tuple(v) for k, v in found.items()}
+
+
+# -- every program built meanwhile, compiled for the target too ---------------------------
+_active = threading.local()
+
+
+class Targeting:
+    """`with torch.tpu.compile_for("v5e:1x1") as reports:` - every program built inside is also
+    compiled for the target, on the thread that built it, and its Report appended to
+    `reports` (a list; `print(reports)` or `reports.table()`)."""
+
+    def __init__(self, target):
+        topology(target)  # an unknown target or a missing libtpu raises here, not at a build
+        self.target = target
+        self.reports = Reports()
+        self._outer = None
+
+    def __enter__(self):
+        self._outer = getattr(_active, "targeting", None)
+        _active.targeting = self
+        return self.reports
+
+    def __exit__(self, *exc):
+        _active.targeting = self._outer
+
+
+class Reports(list):
+    def table(self):
+        return "\n".join(map(str, self))
+
+    def total(self):
+        """The sums a step of several programs has (flops, bytes, roofline, compile seconds),
+        and its largest HBM."""
+        return dict(programs=len(self), flops=sum(r.flops for r in self),
+                    bytes_accessed=sum(r.bytes_accessed for r in self),
+                    optimal_seconds=sum(r.optimal_seconds for r in self),
+                    compile_seconds=sum(r.compile_seconds for r in self),
+                    hbm_bytes=max((r.hbm_bytes for r in self), default=0),
+                    errors=sum(bool(r.error) for r in self))
+
+
+def active():
+    return getattr(_active, "targeting", None)
+
+
+def retargeted(fn, options):
+    """`jax.jit(fn, **options)` for a target: placements given as options name this process's
+    devices, so the target's program takes them from its arguments."""
+    return jax.jit(fn, **{k: v for k, v in options.items()
+                          if k not in ("in_shardings", "out_shardings", "device", "backend")})
+
+
+def alongside(compile_for, args):
+    """Called by every build of a program, with its `compile_for(target, *args)` and its
+    arguments: inside a `Targeting`, compile it for the target too."""
+    targeting = active()
+    if targeting is None:
+        return
+    _active.targeting = None  # a build inside the target's compile is not targeted again
+    try:
+        targeting.reports.append(compile_for(targeting.target, *args))
+    finally:
+        _active.targeting = targeting
