@@ -137,3 +137,22 @@ def test_unknown_targets_and_bad_names_raise_value_error():
         torch.tpu.compile_for("v5e")
     with pytest.raises(ValueError, match="does not know"):
         torch.tpu.compile_for("v99:7x7")
+
+
+def test_fused_segments_and_compiled_graphs_compile_for_the_target_too():
+    x = torch.randn(64, 64, device="tpu")
+    torchtpu.clear_caches()
+    with torch.tpu.compile_for("v5e:1x1") as reports:
+        with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+            fused = (x.sin() * 2 + 1).sum()
+            fused.item()  # runs the segment, built (and compiled for v5e) now
+        before = len(reports)
+        graph = torch.compile(lambda a: (a @ a).relu().sum(), backend="tpu")(x)
+    torch.testing.assert_close(fused.cpu(), (x.cpu().sin() * 2 + 1).sum(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(graph.cpu(), (x.cpu() @ x.cpu()).relu().sum(), rtol=1e-4, atol=1e-2)
+    segments = [r for r in reports[:before] if r.name.startswith("segment of")]
+    graphs = [r for r in reports[before:] if r.name.startswith("segment of")]
+    assert segments and graphs
+    assert all(not r.error and r.chip == "v5e" for r in segments + graphs)
+    assert any(r.flops >= 2 * 64 ** 3 for r in graphs)  # the compiled graph's matmul
+    assert reports.total()["programs"] == len(reports) and reports.total()["errors"] == 0
