@@ -186,8 +186,9 @@ def compile_for(jitted, args, target, name="program"):
     report = Report(name=name, target=target, chip=chip, hbm_capacity=capacity)
     start = time.perf_counter()
     try:
-        with _quiet_stderr():
-            compiled = jitted.trace(*target_args(args, devices)).lower().compile()
+        # (stderr is not hidden here: were libtpu to abort on a program, its last words are
+        # the only account of why)
+        compiled = jitted.trace(*target_args(args, devices)).lower().compile()
     except Exception as e:  # noqa: BLE001 - libtpu's error, reported with the program's name
         report.compile_seconds = time.perf_counter() - start
         report.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:500]}"
