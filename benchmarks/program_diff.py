@@ -170,15 +170,19 @@ def graph_breaks(model, idx, tgt):
     return e.graph_count, reasons
 
 
-def measure_target(name, a):
-    """The TPU compiler's view of each mode's steady step beside JAX's (module docstring)."""
+def model_and_batch(name, dtype):
+    """(title, model with seed 0's weights in `dtype`, input ids, targets) of MODELS[name]."""
     title, make, seq = MODELS[name]
     torch.manual_seed(0)
     model = make()
-    if a.dtype == "bf16":
+    if dtype == "bf16":
         model = model.to(torch.bfloat16)
-    idx = torch.randint(0, 1024, (BATCH, seq))
-    tgt = torch.randint(0, 1024, (BATCH, seq))
+    return title, model, torch.randint(0, 1024, (BATCH, seq)), torch.randint(0, 1024, (BATCH, seq))
+
+
+def measure_target(name, a):
+    """The TPU compiler's view of each mode's steady step beside JAX's (module docstring)."""
+    title, model, idx, tgt = model_and_batch(name, a.dtype)
     rows = {}
     for mode in ("1-exe", "compiled"):
         torchtpu.clear_caches()
@@ -225,11 +229,7 @@ def measure_target(name, a):
 def measure(name, a):
     if a.target:
         return measure_target(name, a)
-    title, make, seq = MODELS[name]
-    torch.manual_seed(0)
-    model = make()
-    idx = torch.randint(0, 1024, (BATCH, seq))
-    tgt = torch.randint(0, 1024, (BATCH, seq))
+    title, model, idx, tgt = model_and_batch(name, a.dtype)
     steps, rows, losses = {}, {}, {}
     extra = {}
     for mode in ("1-exe", "compiled"):
@@ -301,8 +301,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dump", help="write each optimized program's HLO text under this folder")
     ap.add_argument("--target", help="a TPU slice to compile for (v5e:1x1, v6e:1x1, ...), untimed")
-    ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
-                    help="with --target: the models' dtype")
+    ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="the models' dtype")
     a = ap.parse_args()
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; torch {torch.__version__}; "
           f"{time.strftime('%Y-%m-%d')}")

@@ -86,29 +86,23 @@ def test_a_captured_step_bakes_its_offsets_and_numbers_in():
     """A torch.tpu graph runs with its capture's numbers: its views' offsets are constants of
     its program (static slices, no 64-bit offset arguments), and it still computes what eager
     does, replay after replay."""
+    def make_step(w, x):
+        opt = torch.optim.SGD([w], lr=0.1)
+
+        def step():
+            opt.zero_grad(set_to_none=False)
+            gate, up = (x @ w).chunk(2, -1)
+            loss = (torch.nn.functional.silu(gate) * up).mean()
+            loss.backward()
+            opt.step()
+            return loss
+        return step
+
     w = torch.randn(16, 8, device="tpu", requires_grad=True)
     x = torch.randn(4, 16, device="tpu")
-    opt = torch.optim.SGD([w], lr=0.1)
-
-    def step():
-        opt.zero_grad(set_to_none=False)
-        gate, up = (x @ w).chunk(2, -1)
-        loss = (torch.nn.functional.silu(gate) * up).mean()
-        loss.backward()
-        opt.step()
-        return loss
-
+    step = make_step(w, x)
     ref_w = w.detach().cpu().clone().requires_grad_()
-    ref_opt = torch.optim.SGD([ref_w], lr=0.1)
-    xc = x.cpu()
-
-    def ref_step():
-        ref_opt.zero_grad(set_to_none=False)
-        gate, up = (xc @ ref_w).chunk(2, -1)
-        loss = (torch.nn.functional.silu(gate) * up).mean()
-        loss.backward()
-        ref_opt.step()
-        return loss
+    ref_step = make_step(ref_w, x.cpu())
 
     for _ in range(2):
         step(), ref_step()

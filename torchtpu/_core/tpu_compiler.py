@@ -31,14 +31,13 @@ import time
 
 import jax
 
-# Per chip, by JAX's device_kind: HBM bytes, peak dense bf16 FLOP/s, HBM bytes/s (Cloud TPU's
-# published figures).  `optimal_seconds` already uses the compiler's own model; these only
-# name the chip's capacity and peak in the report.
+# Per chip, by JAX's device_kind: its name in topologies and its HBM bytes (Cloud TPU's
+# published figures; compile-only devices have no memory statistics).
 CHIPS = {
-    "TPU v4": ("v4", 32 * 2**30, 275e12, 1.2e12),
-    "TPU v5 lite": ("v5e", 16 * 2**30, 197e12, 0.819e12),
-    "TPU v5": ("v5p", 95 * 2**30, 459e12, 2.765e12),
-    "TPU v6 lite": ("v6e", 32 * 2**30, 918e12, 1.64e12),
+    "TPU v4": ("v4", 32 * 2**30),
+    "TPU v5 lite": ("v5e", 16 * 2**30),
+    "TPU v5": ("v5p", 95 * 2**30),
+    "TPU v6 lite": ("v6e", 32 * 2**30),
 }
 # Custom calls libtpu's cost model counts as -1 s each (see above): 64-bit integer emulation
 # and the bitcast that concatenates a sliced copy.
@@ -182,7 +181,7 @@ def compile_for(jitted, args, target, name="program"):
     for what libtpu reports as an error."""
     devices = topology(target)
     kind = devices[0].device_kind
-    chip, capacity, _, _ = CHIPS.get(kind, (kind, 0, 0.0, 0.0))
+    chip, capacity = CHIPS.get(kind, (kind, 0))
     report = Report(name=name, target=target, chip=chip, hbm_capacity=capacity)
     start = time.perf_counter()
     try:

@@ -328,8 +328,7 @@ class Executable:
     def _note_build(self, sig, args, loaded):
         what = self.describe() if self.describe is not None else _describe_signature(sig)
         metrics.note_build(self.name, what + (" (loaded)" if loaded else ""))
-        if tpu_compiler.active() is not None:  # inside torch.tpu.compile_for(target)
-            tpu_compiler.alongside(self.compile_for, args)
+        tpu_compiler.alongside(self.compile_for, args)  # inside torch.tpu.compile_for(target)
 
 
 def _describe_signature(sig):

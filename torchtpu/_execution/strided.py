@@ -80,9 +80,8 @@ def _on_dims(array_shape, shape, stride, offset):
     """The view as a strided slice of an array of `array_shape` (its elements in memory
     order), when it is one: (starts, limits, steps, dims), `dims[d]` the array dim that view dim
     d walks (None: a size-1 or broadcast dim); else None.  The offset must be known: it gives
-    each array dim's start (its digits in the array's strides)."""
-    if not _static(offset) or not array_shape or 0 in array_shape:
-        return None
+    each array dim's start (its digits in the array's strides): `_plan` checks it is, and that
+    the array has elements."""
     astrides = contiguous_strides(array_shape)
     starts = []
     rest = offset
@@ -130,11 +129,11 @@ def _refined(array_shape, shape, stride):
 def _plan(array_shape, shape, stride, offset):
     """(the shape to see the array as, _on_dims's plan) for a view that is a strided slice of
     the array's dims once split (_refined), or None."""
+    if not _static(offset) or not array_shape or 0 in array_shape:
+        return None
     plan = _on_dims(array_shape, shape, stride, offset)
     if plan is not None:
         return tuple(array_shape), plan
-    if not _static(offset) or not array_shape or 0 in array_shape:
-        return None
     refined = _refined(array_shape, shape, stride)
     if refined is None or refined == tuple(array_shape):
         return None
