@@ -156,3 +156,39 @@ def test_fused_segments_and_compiled_graphs_compile_for_the_target_too():
     assert all(not r.error and r.chip == "v5e" for r in segments + graphs)
     assert any(r.flops >= 2 * 64 ** 3 for r in graphs)  # the compiled graph's matmul
     assert reports.total()["programs"] == len(reports) and reports.total()["errors"] == 0
+
+
+def test_a_program_over_a_process_groups_mesh_compiles_for_the_targets_chips():
+    """A program every rank of a group runs (spmd: a shard_map over the group's mesh, here a
+    one-rank group) compiles for the target's chips, not this process's devices, with its
+    packed host numbers placed on the same chips."""
+    import numpy as np
+    from torchtpu._execution import spmd
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), (spmd.AXIS,))
+
+    def step(x, packed):
+        return (jax.lax.psum(x * packed[0], spmd.AXIS) @ x.T,)
+
+    program = spmd.Program(step, mesh, [spmd.describe_collective("all_reduce", "g", "float32", (64, 32))],
+                           None, "psum", "psum")
+    x = jnp.ones((64, 32), jnp.float32)
+    r = program.compile_for("v5e:2x2", x, np.array([2.0], np.float32))
+    assert not r.error, r.error
+    assert r.chip == "v5e" and r.flops >= 2 * 64 * 64 * 32
+    # (a one-rank group's psum is no collective; a two-rank one's is benchmarks/fsdp_program.py's)
+    (out,) = program(x, np.array([2.0], np.float32))  # it still runs here
+    assert float(out[0, 0]) == 2 * 32
+
+
+def test_builds_on_other_threads_are_compiled_for_the_target_too():
+    """The context is the process's: a program built on another thread (the compile pool's,
+    the autograd engine's) while it is open is reported too."""
+    import threading
+    x = torch.randn(48, 80, device="tpu")
+    torchtpu.clear_caches()
+    with torch.tpu.compile_for("v5e:1x1") as reports:
+        t = threading.Thread(target=lambda: (x.tanh() * 3).cpu())
+        t.start()
+        t.join()
+    names = " ".join(r.name for r in reports)
+    assert "tanh" in names and not any(r.error for r in reports), reports.table()

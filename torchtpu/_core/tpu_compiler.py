@@ -116,14 +116,24 @@ def _grid(devices, shape):
 
 def target_args(args, devices):
     """`args` (arrays, ShapeDtypeStructs, Python numbers, in any pytree) as ShapeDtypeStructs
-    placed on the target's devices; numbers stay numbers (traced as JAX traces them)."""
+    placed on the target's devices; numbers stay numbers (traced as JAX traces them).  A host
+    (numpy) array goes where the program runs: replicated over the mesh of its first mesh-sharded
+    argument (a program over a process group's ranks packs its scalars in one), else the first
+    chip."""
+    from jax.sharding import NamedSharding, PartitionSpec
+    leaves = jax.tree_util.tree_leaves(args)
+    meshed = next((x.sharding for x in leaves if isinstance(getattr(x, "sharding", None), NamedSharding)),
+                  None)
+    host = (_target_sharding(None, devices) if meshed is None else
+            NamedSharding(_target_sharding(meshed, devices).mesh, PartitionSpec()))
+
     def move(x):
         if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
             weak = x.aval.weak_type if isinstance(x, jax.Array) else x.weak_type
             return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=weak,
                                         sharding=_target_sharding(getattr(x, "sharding", None), devices))
-        if hasattr(x, "shape") and hasattr(x, "dtype"):  # numpy: placed on the first chip
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_target_sharding(None, devices))
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host)
         return x
     return jax.tree_util.tree_map(move, args)
 
@@ -272,27 +282,28 @@ def collectives(text):
 
 
 # -- every program built meanwhile, compiled for the target too ---------------------------
-_active = threading.local()
+# Process-wide, not per thread: the programs a step builds are built on other threads too (the
+# compile pool's workers, the autograd engine's thread that flushes a backward).
+_targeting = []          # the Targeting contexts entered, innermost last
+_inside = threading.local()  # set while this thread compiles for a target (not targeted again)
 
 
 class Targeting:
-    """`with torch.tpu.compile_for("v5e:1x1") as reports:` - every program built inside is also
-    compiled for the target, on the thread that built it, and its Report appended to
-    `reports` (a list; `print(reports)` or `reports.table()`)."""
+    """`with torch.tpu.compile_for("v5e:1x1") as reports:` - every program built while it is
+    open (on any thread) is also compiled for the target, and its Report appended to `reports`
+    (a list; `print(reports)` or `reports.table()`)."""
 
     def __init__(self, target):
         topology(target)  # an unknown target or a missing libtpu raises here, not at a build
         self.target = target
         self.reports = Reports()
-        self._outer = None
 
     def __enter__(self):
-        self._outer = getattr(_active, "targeting", None)
-        _active.targeting = self
+        _targeting.append(self)
         return self.reports
 
     def __exit__(self, *exc):
-        _active.targeting = self._outer
+        _targeting.remove(self)
 
 
 class Reports(list):
@@ -311,7 +322,9 @@ class Reports(list):
 
 
 def active():
-    return getattr(_active, "targeting", None)
+    if getattr(_inside, "on", False):
+        return None
+    return _targeting[-1] if _targeting else None
 
 
 def retargeted(fn, options):
@@ -327,8 +340,8 @@ def alongside(compile_for, args):
     targeting = active()
     if targeting is None:
         return
-    _active.targeting = None  # a build inside the target's compile is not targeted again
+    _inside.on = True  # a build inside the target's compile is not targeted again
     try:
         targeting.reports.append(compile_for(targeting.target, *args))
     finally:
-        _active.targeting = targeting
+        _inside.on = False

@@ -139,14 +139,17 @@ class Executable:
     `key`: a stable text naming the program apart from its arguments (None: never stored);
     `name`: what the metrics call it; `describe`: the signature in words, for the rebuild
     report; `traced`: (save, restore) of what tracing learns besides the program (an op's
-    index-check messages): save() is stored with the entry, restore(value) runs on a load."""
+    index-check messages): save() is stored with the entry, restore(value) runs on a load;
+    `retarget(chips)`: fn for a TPU target's chips, where fn names this process's devices (a
+    shard_map over a process group's mesh)."""
 
     __slots__ = ("jitted", "key", "name", "describe", "traced", "last", "last_sig", "built",
-                 "lock", "compiling", "fn", "options")
+                 "lock", "compiling", "fn", "options", "retarget")
 
-    def __init__(self, fn, key, name, describe=None, traced=None, **options):
+    def __init__(self, fn, key, name, describe=None, traced=None, retarget=None, **options):
         self.jitted = jax.jit(fn, **options)
-        self.fn, self.options = fn, options  # (a TPU target's build: tpu_compiler.alongside)
+        # (a TPU target's build: compile_for, tpu_compiler.alongside)
+        self.fn, self.options, self.retarget = fn, options, retarget
         self.key = key
         self.name = name
         self.describe = describe
@@ -181,7 +184,8 @@ class Executable:
 
     def compile_for(self, target, *args):
         """This program on these arguments compiled for a TPU target (tpu_compiler.Report)."""
-        return tpu_compiler.compile_for(tpu_compiler.retargeted(self.fn, self.options), args,
+        fn = self.fn if self.retarget is None else self.retarget(tpu_compiler.topology(target))
+        return tpu_compiler.compile_for(tpu_compiler.retargeted(fn, self.options), args,
                                         target, self.name)
 
     def lower(self, *args):

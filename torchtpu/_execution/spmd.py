@@ -220,6 +220,18 @@ def _replicated(mesh):
     return sharding
 
 
+def _over(body, mesh):
+    return jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+
+
+def _target_mesh(chips, n):
+    """A mesh of a TPU target's first `n` chips, one per rank (Executable.compile_for: the
+    program's own shard_map names this process's devices)."""
+    if n > len(chips):
+        raise ValueError(f"the program runs on {n} ranks; the TPU target has {len(chips)} chips")
+    return jax.sharding.Mesh(np.array(chips[:n], dtype=object), (AXIS,))
+
+
 _shardings = {}
 try:  # the global array over a local one without JAX's checks (12 us -> 3 us per array)
     from jax._src.array import ArrayImpl as _ArrayImpl
@@ -266,12 +278,14 @@ class Program:
         self.checked = sig is not None
         cpu = mesh.devices.flat[0].platform == "cpu"
         body = program(fn, sig, inline_below=1024 if cpu else 0)
-        spmd = jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+        spmd = _over(body, mesh)
         if key is not None:
             key = f"spmd over {[d.id for d in mesh.devices.flat]} checked {sig is not None}: {key}"
         # fn's arguments come after the previous program's marker.
         options["donate_argnums"] = tuple(i + 1 for i in options.get("donate_argnums", ()))
-        self.executable = executables.Executable(spmd, key, name, keep_unused=True, **options)
+        self.executable = executables.Executable(
+            spmd, key, name, keep_unused=True,
+            retarget=lambda chips: _over(body, _target_mesh(chips, mesh.devices.size)), **options)
 
     @property
     def last(self):  # (async_compile's fast path is not taken for these programs)
