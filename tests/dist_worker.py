@@ -538,6 +538,50 @@ def scenario_fsdp_setup():
             check_losses(got, want[first:], what)
 
 
+def scenario_fsdp_memory():
+    """FSDP2 holds a rank's shards and a few units' unsharded parameters at a time, as on CUDA
+    (it frees them with resize_(0) after each unit's forward and backward), never the whole
+    model's, in strict and fused eager alike."""
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("tpu")
+    r, n = dist.get_rank(), dist.get_world_size()
+    torch.tpu.eager_mode = os.environ["TORCHTPU_TEST_MODE"]
+    blocks, width = 8, 512
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(blocks)]).to("tpu")
+    for b in model:
+        fully_shard(b)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    unit = width * width * 4  # one block's unsharded parameters, bytes
+    x = torch.randn(16, width, device="tpu")
+    activations = blocks * x.nbytes
+    for step in range(2):
+        torch.tpu.synchronize()
+        before = torch.tpu.memory_allocated()
+        torch.tpu.reset_peak_memory_stats()
+        loss = model(x).square().mean()
+        torch.tpu.synchronize()
+        forward = torch.tpu.max_memory_allocated() - before
+        torch.tpu.reset_peak_memory_stats()
+        loss.backward()
+        torch.tpu.synchronize()
+        backward = torch.tpu.max_memory_allocated() - before
+        opt.step()
+        opt.zero_grad()
+        print(f"MEASURE fsdp_memory rank={r} step={step} forward={forward} backward={backward} "
+              f"unit={unit}", flush=True)
+        # The whole model unsharded would be `blocks` units; FSDP2 on CUDA holds about two
+        # (the unit running, the next prefetched, each briefly as its all-gather's output too).
+        assert forward <= 4 * unit + 2 * activations, (step, forward / unit)
+        # The backward also holds the gradients: the sharded ones (the whole model's / n) and
+        # the unsharded ones of the units in flight.
+        assert backward <= blocks * unit / n + 5 * unit + 2 * activations, (step, backward / unit)
+    dist.destroy_process_group()
+    print(f"PASS fsdp_memory rank {r}", flush=True)
+
+
 def scenario_hsdp():
     """HSDP: FSDP within each row of a 2-D mesh, replicas across rows."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -130,6 +130,11 @@ def test_fsdp2_as_users_set_it_up():
     assert_passed(results, "fsdp_setup")
 
 
+@pytest.mark.parametrize("mode", ["DEFER_NEVER", "DEFER_AND_FUSE"])
+def test_fsdp2_holds_a_few_units_unsharded_at_a_time(mode):
+    assert_passed(launch("fsdp_memory", 2, env={"TORCHTPU_TEST_MODE": mode}), "fsdp_memory")
+
+
 def test_hsdp_on_a_2d_mesh():
     assert_passed(launch("hsdp", 4), "hsdp")
 
