@@ -100,6 +100,23 @@ def test_64_bit_emulation_is_counted_and_the_roofline_corrected():
     assert 0 <= r.optimal_seconds < 1e-3
 
 
+def test_a_roofline_that_leaves_out_conditional_branches_says_so():
+    """libtpu's roofline leaves a conditional's branches out (spmd programs' signature check):
+    the report says so, and adds back only the -1 s calls the cost model counted."""
+    x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+    n = jax.ShapeDtypeStruct((1024,), jnp.int64)
+
+    def f(a, i, ok):
+        return jax.lax.cond(ok, lambda: (a @ a, i * 3 + 1), lambda: (a, i))
+
+    r = tpu_compiler.compile_for(jax.jit(f), (x, n, jax.ShapeDtypeStruct((), jnp.bool_)), "v5e:1x1")
+    assert not r.error and not r.branches_costed
+    assert "without its conditional branches" in str(r)
+    assert 0 <= r.optimal_seconds < 1e-3, r.optimal_seconds
+    plain = tpu_compiler.compile_for(jax.jit(lambda a: a @ a), (x,), "v5e:1x1")
+    assert plain.branches_costed and plain.optimal_seconds >= 2 * 1024**3 / 197e12
+
+
 def test_a_program_larger_than_the_chip_is_reported_not_raised():
     big = jax.ShapeDtypeStruct((5 * 2**30,), jnp.float32)  # 20 GiB, a v5e chip has 16
     r = tpu_compiler.compile_for(jax.jit(lambda a: a * 2), (big,), "v5e:1x1")
@@ -175,7 +192,7 @@ def test_a_program_over_a_process_groups_mesh_compiles_for_the_targets_chips():
     r = program.compile_for("v5e:2x2", x, np.array([2.0], np.float32))
     assert not r.error, r.error
     assert r.chip == "v5e" and r.flops >= 2 * 64 * 64 * 32
-    # (a one-rank group's psum is no collective; a two-rank one's is benchmarks/fsdp_program.py's)
+    # (a one-rank group's psum is no collective; two ranks': `benchmarks/scaling.py --target`)
     (out,) = program(x, np.array([2.0], np.float32))  # it still runs here
     assert float(out[0, 0]) == 2 * 32
 

@@ -17,6 +17,9 @@ Facts of libtpu 0.0.42 (jax 0.10.2) this relies on, measured here:
   (a program with 3 of them and nothing else reports -3.0); they are added back, which leaves
   the roofline of a program with n of them precise to about n x 0.5 us (a float32's rounding
   at n seconds);
+- it leaves a `conditional`'s branches out of `optimal_seconds` (their -1 s calls too): a
+  program whose work sits in a branch (one over a process group, behind the ranks' signature
+  check, spmd.py) reports little more than its entry's; `Report.branches_costed` says so;
 - compile-only devices have no memory statistics: a chip's HBM is this file's table, and a
   program that does not fit fails to compile with RESOURCE_EXHAUSTED (reported, not raised).
 """
@@ -161,6 +164,7 @@ class Report:
     fusions: int = 0
     copies: int = 0            # copies in the entry computation (not copy-start/done: those
                                # move a buffer between HBM and the chip's VMEM, JAX's too)
+    branches_costed: bool = True  # False: the roofline leaves out a conditional's branches
     x64_calls: int = 0         # 64-bit integer emulation (X64Split*/X64Combine)
     concat_bitcasts: int = 0
     collectives: dict = dataclasses.field(default_factory=dict)  # kind -> (count, overlapped)
@@ -177,7 +181,8 @@ class Report:
         coll = ", ".join(f"{k} {n} ({o} overlapped)" for k, (n, o) in sorted(self.collectives.items()))
         return (f"{self.name} on {self.target} ({self.chip}): HBM {self.hbm_bytes / 2**20:.1f} MiB "
                 f"of {self.hbm_capacity / 2**30:.0f} GiB per chip (temporaries "
-                f"{self.temp_bytes / 2**20:.1f} MiB); roofline {self.optimal_seconds * 1e3:.4g} ms; "
+                f"{self.temp_bytes / 2**20:.1f} MiB); roofline {self.optimal_seconds * 1e3:.4g} ms"
+                f"{'' if self.branches_costed else ' (without its conditional branches)'}; "
                 f"{self.flops / 1e9:.3f} GFLOP, {self.bytes_accessed / 1e6:.1f} MB accessed; "
                 f"{self.fusions} fusions, {self.copies} copies, {self.parameters} parameters, "
                 f"{self.x64_calls} 64-bit emulations; collectives: {coll or 'none'}; "
@@ -212,12 +217,16 @@ def read(compiled, report):
     text = compiled.as_text()
     report.text = text
     calls = collections.Counter(re.findall(r'custom_call_target="(\w+)"', text))
+    branches = _branch_computations(text)
+    costed = collections.Counter(call for computation, call in _custom_calls(text)
+                                 if computation not in branches)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     report.flops = float(cost.get("flops", 0.0))
     report.bytes_accessed = float(cost.get("bytes accessed", 0.0))
     report.optimal_seconds = float(cost.get("optimal_seconds", 0.0)) + sum(
-        calls[c] for c in _NEGATIVE_COST_CALLS)
+        costed[c] for c in _NEGATIVE_COST_CALLS)
+    report.branches_costed = not branches
     m = compiled.memory_analysis()
     report.argument_bytes = m.argument_size_in_bytes
     report.output_bytes = m.output_size_in_bytes
@@ -235,6 +244,47 @@ def read(compiled, report):
     report.copies = opcodes["copy"]
     report.collectives = collectives(text)
     return report
+
+
+def _computations(text):
+    """(name, its lines) of each computation of the HLO text."""
+    name, lines = None, []
+    for line in text.splitlines():
+        header = re.match(r"^(?:ENTRY )?(%[\w.-]+) ", line)
+        if header and line.rstrip().endswith("{"):
+            name, lines = header.group(1), []
+        elif line.startswith("}") and name is not None:
+            yield name, lines
+            name = None
+        elif name is not None:
+            lines.append(line)
+
+
+def _custom_calls(text):
+    """(computation, target) of each custom call."""
+    return [(name, call) for name, lines in _computations(text) for line in lines
+            for call in re.findall(r'custom_call_target="(\w+)"', line)]
+
+
+def _branch_computations(text):
+    """The computations a conditional runs: its branches and everything they call."""
+    calls, found = {}, []
+    for name, lines in _computations(text):
+        body = "\n".join(lines)
+        calls[name] = re.findall(r"(?:calls|to_apply|body|condition)=(%[\w.-]+)", body) + [
+            c for group in re.findall(r"branch_computations=\{([^}]*)\}", body)
+            for c in re.findall(r"%[\w.-]+", group)]
+        if " conditional(" in body:
+            found.extend(c for group in re.findall(r"branch_computations=\{([^}]*)\}", body)
+                         for c in re.findall(r"%[\w.-]+", group))
+            found.extend(re.findall(r"(?:true|false)_computation=(%[\w.-]+)", body))
+    branches = set()
+    while found:
+        c = found.pop()
+        if c not in branches:
+            branches.add(c)
+            found.extend(calls.get(c, ()))
+    return branches
 
 
 def entry_instructions(text):
