@@ -215,7 +215,8 @@ def scenario_collectives():
 
 def scenario_divergent():
     """Rank 0 calls a collective that rank 1 does not: each rank gets a RuntimeError naming
-    both sides where it next waits (no hang, no abort), and its tensors keep their values."""
+    both sides where it next waits (no hang, no abort), and its tensors keep their values (as
+    of the first collective, in fused eager)."""
     mode = os.environ["TORCHTPU_TEST_MODE"]
     dist.init_process_group("tpu", timeout=datetime.timedelta(seconds=60))
     r = dist.get_rank()
@@ -226,6 +227,9 @@ def scenario_divergent():
         if r == 0:
             dist.all_reduce(t)  # rank 0 only
         dist.all_reduce(u)
+        # Strict eager runs this before the next wait raises; fused eager defers it into the
+        # segment of the collectives, and keeps what strict eager had before the first of them.
+        u.mul_(2)
         u.cpu()
         raise AssertionError("the ranks' different collectives were not detected")
     except RuntimeError as e:
@@ -234,7 +238,8 @@ def scenario_divergent():
         assert "(4,)" in text and "(3,)" in text, e
     torch.tpu.eager_mode = "DEFER_NEVER"
     try:
-        assert torch.equal(t.cpu(), torch.ones(4)) and torch.equal(u.cpu(), torch.ones(3)), (t.cpu(), u.cpu())
+        scaled = 2 if mode == "strict" else 1
+        assert torch.equal(t.cpu(), torch.ones(4)) and torch.equal(u.cpu(), torch.full((3,), scaled)), (t.cpu(), u.cpu())
     except dist.DistBackendError as e:
         # Strict eager: rank 0 dispatched its next collective before the disagreement was
         # known, and it waits for rank 1 in vain: host waits now fail at once (no hang).

@@ -564,8 +564,11 @@ class Segment:
         options = dict(traced=checks_info(self.structure[0]), compiler_options=EAGER_ROUNDING,
                        donate_argnums=(0,) if any(donate) else ())
         if self.mesh is not None:
+            # Where the ranks disagree, the ops before the first collective only (spmd.program)
+            first = next(i for i, (c, _, _) in enumerate(self.structure[0]) if c.collective is not None)
+            until = segment_function(*self.structure, self.order(donate), stop=first)
             return spmd.Program(function, self.mesh, self.collectives, key, self.name,
-                                self.name, **options)
+                                self.name, skipped=until, **options)
         return executables.Executable(function, key, self.name, **options)
 
     def order(self, donate):
@@ -754,13 +757,29 @@ class _Order:
         return [ext_arrays[k] for k in self.donated], [ext_arrays[k] for k in self.kept]
 
 
-def segment_function(signature, outputs, scalar_types, guarded, constants, order):
+def segment_function(signature, outputs, scalar_types, guarded, constants, order, stop=None):
     """The recorded ops as one JAX function: (donated, kept, packed scalars) -> (results, each
     op's checks), arguments and results in `order` (_Order).  `guarded`: (result, input) pairs,
     the storages a graph overwrites: where a check fails, result r is input k unchanged, so a
     failure read later changed nothing.  `constants` (`baked`, or None): the numbers that are
-    constants of the program rather than read from `packed`."""
+    constants of the program rather than read from `packed`.  `stop`: run the ops before op
+    `stop` only, as strict eager would have before an op that raised: each storage a later op
+    writes keeps the value it had then, one a later op makes is zeros, their checks pass; the
+    function then takes the whole segment's (results, checks) shapes first."""
+    if stop is not None:
+        # Per slot: the slot or external input (< 0) whose storage it overwrites, or None.
+        before = []
+        for compiled, wiring, _ in signature:
+            before.extend([None] * (len(compiled.wrap_specs)))
+            before.extend(wiring[j] if type(wiring[j]) is int else None for j in compiled.writes)
+
     def segment(donated, kept, packed):
+        return run(donated, kept, packed, None)
+
+    def until(shapes, donated, kept, packed):
+        return run(donated, kept, packed, shapes)
+
+    def run(donated, kept, packed, shapes):
         given = list(donated) + list(kept)
         ext = [given[p] for p in order.inputs]
         scalars = _unpack_scalars(packed, scalar_types)
@@ -769,14 +788,22 @@ def segment_function(signature, outputs, scalar_types, guarded, constants, order
         slots = []
         checks = []
         pos = 0
-        for compiled, wiring, n_scalars in signature:
+        for compiled, wiring, n_scalars in signature[:stop]:
             ins = wired(wiring, slots, ext)
             outs, updated, op_checks = compiled.run(*ins, *scalars[pos:pos + n_scalars])
             pos += n_scalars
             slots.extend(_rounded_half(outs))
             slots.extend(_rounded_half(updated))
             checks.append(op_checks)
-        results = [slots[s] for s in outputs]
+        if stop is None:
+            results = [slots[s] for s in outputs]
+        else:
+            wanted, checked = shapes
+            if order.back is not None:
+                wanted = [wanted[p] for p in order.back]
+            results = [_as_of(s, slots, before, ext, w) for s, w in zip(outputs, wanted)]
+            checks.extend(jax.tree_util.tree_map(lambda c: jnp.ones(c.shape, c.dtype),
+                                                 checked[stop:]))
         passed = all_passed(checks)
         if guarded and passed is not None:
             for r, k in guarded:
@@ -785,7 +812,19 @@ def segment_function(signature, outputs, scalar_types, guarded, constants, order
             results = [results[r] for r in order.results]
         return results, checks
 
-    return segment
+    return segment if stop is None else until
+
+
+def _as_of(slot, slots, before, ext, shape):
+    """The value of the storage that `slot` is a value of, as of the ops run (`slots`): the
+    slot's own, or what it overwrote, back to the external input; zeros where it was made
+    later."""
+    while slot is not None and slot >= len(slots):
+        slot = before[slot]
+    if slot is None:
+        return jnp.zeros(shape.shape, shape.dtype)
+    value = slots[slot] if slot >= 0 else ext[-1 - slot]
+    return value if value.shape == shape.shape and value.dtype == shape.dtype else jnp.zeros(shape.shape, shape.dtype)
 
 
 def _with_constants(scalars, scalar_types, constants, signature):

@@ -171,19 +171,32 @@ def _without_collectives(fn):
     return skip
 
 
-def program(fn, sig, inline_below=0):
+def program(fn, sig, inline_below=0, skipped=None):
     """The body of a program over a group's mesh: `fn(*args)` (the per-rank computation,
     collectives over AXIS included) behind the signature check: where the ranks' signatures
-    differ, fn runs with its collectives skipped (`skipping`).  Its first argument is the
-    previous such program's marker, unused but kept (see Program).  Returns fn's outputs, the
-    check's verdict, every rank's signature and a marker (see _marker)."""
+    differ, the program gives `skipped(shapes, *args)` instead (fn's results, of `shapes`, as
+    of its ops before the first collective: a fused segment's) or, without one, fn with its
+    collectives skipped (`skipping`).  Its first argument is the previous such program's
+    marker, unused but kept (see Program).  Returns fn's outputs, the check's verdict, every
+    rank's signature and a marker (see _marker)."""
     def body(after, *args):
         marker = _marker(inline_below)
         if sig is None:
             return fn(*args), jnp.bool_(True), jnp.zeros((1, _LEN), jnp.int64), marker
         rows = lax.all_gather(jnp.asarray(sig), AXIS)
         ok = jnp.all(rows == rows[0])
-        out = lax.cond(ok, lambda a: fn(*a), _without_collectives(fn), args)
+        if skipped is None:
+            out = lax.cond(ok, lambda a: fn(*a), _without_collectives(fn), args)
+        else:
+            # fn is traced once, and its branch replays the trace (lax.cond would trace it
+            # again); the other branch holds only the ops before the first collective, so the
+            # program is not twice the step for XLA to compile.
+            traced, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+
+            def replay(a):
+                return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), jax.core.eval_jaxpr(
+                    traced.jaxpr, traced.consts, *jax.tree_util.tree_leaves(a)))
+            out = lax.cond(ok, replay, lambda a: skipped(shapes, *a), args)
         return out, ok, rows, marker
     return body
 
@@ -270,14 +283,14 @@ class Program:
 
     __slots__ = ("executable", "sharding", "mesh", "what", "checked")
 
-    def __init__(self, fn, mesh, collectives, key, name, what, **options):
+    def __init__(self, fn, mesh, collectives, key, name, what, skipped=None, **options):
         self.mesh = mesh
         self.sharding = _replicated(mesh)
         self.what = what
         sig = signature(collectives) if check_enabled() else None
         self.checked = sig is not None
         cpu = mesh.devices.flat[0].platform == "cpu"
-        body = program(fn, sig, inline_below=1024 if cpu else 0)
+        body = program(fn, sig, inline_below=1024 if cpu else 0, skipped=skipped)
         spmd = _over(body, mesh)
         if key is not None:
             key = f"spmd over {[d.id for d in mesh.devices.flat]} checked {sig is not None}: {key}"
