@@ -297,9 +297,13 @@ def capturing():
 def note_new_storage(t):
     """`t`'s storage was just made by `empty` (unwritten): during a torch.tpu graph's capture,
     it is one the capture made (Trace.born)."""
+    note_new_buffer(storage.buffer_of(t))
+
+
+def note_new_buffer(buffer):
     tr = _trace
     if tr is not None and tr.born is not None:
-        tr.born.add(storage.buffer_of(t))
+        tr.born.add(buffer)
 
 
 def replace_value(t, array):

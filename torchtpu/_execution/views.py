@@ -62,6 +62,20 @@ def _empty(size, stride, dtype, index):
     return t
 
 
+def resize_storage(st, nbytes):
+    """`UntypedStorage.resize_` (patches.py).  A tpu storage grown from nothing during a
+    torch.tpu graph's capture is one the capture made, as `empty`'s are (fused.Trace.born):
+    FSDP2 frees each unit's unsharded parameters with resize_(0) and makes them anew with
+    resize_(n) before gathering into them, so in a captured step they are the program's own
+    temporaries, not inputs and outputs held across replays (the whole model's parameters
+    unsharded in HBM)."""
+    grown = st.device.type == "tpu" and st.nbytes() == 0 and int(nbytes) > 0
+    st = storage.resize_storage(st, nbytes)
+    if grown:
+        fused.note_new_buffer(st._tpu)
+    return st
+
+
 def _set_storage_kernel(op):
     handle = op._handle
 

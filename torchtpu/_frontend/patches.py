@@ -22,7 +22,7 @@ import torchtpu_autoload
 from .._compile import backend, cache, step
 from .._core import runtime, storage
 from .._distributed import launch
-from .._execution import flex_attention, fused, optimizer_state, tpu_graphs
+from .._execution import flex_attention, fused, optimizer_state, tpu_graphs, views
 from . import current, torch_tpu
 
 CHECKED_ON = ("2.13",)
@@ -82,7 +82,7 @@ def _accelerator_memory():
 
 
 def _resize_storage():
-    _replace(torch.UntypedStorage, "resize_", storage.resize_storage)
+    _replace(torch.UntypedStorage, "resize_", views.resize_storage)
 
 
 def _compile():
