@@ -76,6 +76,11 @@ _devices = None
 def platform():
     global _platform
     if _platform is None:
+        # On a TPU host with one process per chip (torchrun --nproc-per-node=<chips>), each
+        # process must be given its chip before libtpu loads, or all open every chip; torch.tpu
+        # queries may come before init_process_group.  Nothing happens without TPU chips.
+        from .._distributed import tpu_hosts
+        tpu_hosts.configure()
         _platform = _choose_platform()
     return _platform
 

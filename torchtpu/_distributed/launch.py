@@ -7,6 +7,12 @@ process id. JAX requires this before its backends start; as on CUDA, `torch.tpu`
 (`device_count()`, `get_device_properties()`...) may come first: a runtime they started holds no
 array yet, so it is shut down and restarts as part of the multi-process runtime. Only a process
 that already holds tpu tensors cannot join.
+
+On a TPU host started with one process per chip (`torchrun --nproc-per-node=<chips>`), libtpu
+needs each process's chip, the slice's process bounds and every process's address before it
+loads: `tpu_hosts.configure` derives and sets them (the runtime's first start does it too), and
+JAX's process id and count are the slice-major ones it derived, with JAX's cluster detection off
+(it would count per-chip addresses but use the host's id).  Without TPU chips nothing changes.
 """
 import os
 import socket
@@ -14,6 +20,7 @@ import socket
 import jax
 
 _initialized = False
+_tpu_launch = None  # tpu_hosts.Launch of the default group's process, None without TPU chips
 
 
 def _free_port():
@@ -47,6 +54,18 @@ def refuse_if_too_late(world_size):
             "creates its first tpu tensor: JAX's multi-process runtime can only start before "
             "the device runtime does. Move init_process_group above the first tpu tensor "
             "(torch.tpu queries such as device_count() may come before it).")
+
+
+def configure_tpu_hosts(rank, world_size):
+    """Set the TPU host's variables for this process (tpu_hosts.configure), checked against the
+    group's rank and size.  The process group calls it before connecting to any other rank, as
+    refuse_if_too_late: a launch libtpu cannot form a slice from raises on every rank alike."""
+    global _tpu_launch
+    if world_size == 1 or _initialized:
+        return
+    from . import tpu_hosts
+    _tpu_launch = tpu_hosts.configure(dict(os.environ, RANK=str(rank),
+                                           WORLD_SIZE=str(world_size)))
 
 
 def _shut_down_runtime():
@@ -89,6 +108,11 @@ def initialize(store, rank, world_size, timeout):
                         ("--xla_gpu_enable_latency_hiding_scheduler", "true")):
         if flag not in os.environ.get("XLA_FLAGS", ""):
             os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={value}".strip()
+    options = {}
+    if _tpu_launch is not None and _tpu_launch.per_chip:
+        # rank and world_size are the derived process id and count (configure_tpu_hosts checked)
+        options["cluster_detection_method"] = "deactivate"
     jax.distributed.initialize(address, num_processes=world_size, process_id=rank,
-                               initialization_timeout=max(int(timeout.total_seconds()), 1))
+                               initialization_timeout=max(int(timeout.total_seconds()), 1),
+                               **options)
     _initialized = True
