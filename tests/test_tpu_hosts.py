@@ -360,3 +360,15 @@ def test_info_on_a_tpu_host_shows_what_one_process_per_chip_sets():
     lines = tpu_hosts_info(torchrun(0, 3, 0, 3), ["v6e"] * 8, tpu_vm("v6e-8", "1,1,1", "2,4,1"))
     assert lines[0].startswith("TPU hosts  8 v6e chips on this host; this launch cannot form a "
                                "slice: LOCAL_WORLD_SIZE=3")
+
+
+def test_a_local_rank_as_device_on_a_per_chip_host_says_its_chip_is_tpu_0(monkeypatch):
+    from torchtpu._core import runtime
+    count = len(runtime.devices())
+    with pytest.raises(RuntimeError, match=rf"Invalid device ordinal tpu:{count}: {count} tpu "
+                       r"device\(s\) are available$"):
+        runtime.jax_device(count)
+    monkeypatch.setattr(tpu_hosts, "_applied", {"TPU_VISIBLE_CHIPS": "3"})
+    with pytest.raises(RuntimeError, match=r"this process was given chip 3 of its host, which it "
+                       r"sees as tpu:0; use torch.device\('tpu'\) or torch.tpu.set_device\(0\)"):
+        runtime.jax_device(count)
