@@ -372,3 +372,29 @@ def test_a_local_rank_as_device_on_a_per_chip_host_says_its_chip_is_tpu_0(monkey
     with pytest.raises(RuntimeError, match=r"this process was given chip 3 of its host, which it "
                        r"sees as tpu:0; use torch.device\('tpu'\) or torch.tpu.set_device\(0\)"):
         runtime.jax_device(count)
+
+
+def test_ranks_that_never_reach_the_runtime_are_named_with_their_hosts(monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+
+    from torchtpu._distributed import launch
+    ips = ["10.0.0.10", "10.0.0.11", "10.0.0.12", "10.0.0.13"]
+    monkeypatch.setattr(launch, "_tpu_launch", tpu_hosts.derive(
+        torchrun(0, 4, 0, 16), ["v5e"] * 4, tpu_vm("v5litepod-16", "2,2,1", "2,2,1", 0, ips)))
+    store = dist.HashStore()
+    for r in set(range(16)) - {5, 6, 13}:
+        store.set(f"torchtpu/jax_joining/{r}", "1")
+    with pytest.raises(dist.DistBackendError, match=r"rank\(s\) \[5, 6, 13\] of 16 did not reach "
+                       r"JAX's multi-process runtime within the group's timeout \(0:00:00.200000\); "
+                       r"their host\(s\): TPU worker 1 \(10.0.0.11\), TPU worker 3 \(10.0.0.13\)\."):
+        launch._wait_for_every_rank(store, 0, 16, datetime.timedelta(seconds=0.2))
+    # another slice's host: by its worker id and slice (this process knows its own slice's hosts)
+    monkeypatch.setattr(launch, "_tpu_launch", multislice(0, 0, 0))
+    store = dist.HashStore()
+    for r in set(range(32)) - {21}:  # slice 1 * 16 + worker 1 * 4 + local rank 1
+        store.set(f"torchtpu/jax_joining/{r}", "1")
+    with pytest.raises(dist.DistBackendError, match=r"rank\(s\) \[21\] of 32 .*; their host\(s\): "
+                       r"TPU worker 1 of slice 1\."):
+        launch._wait_for_every_rank(store, 0, 32, datetime.timedelta(seconds=0.2))

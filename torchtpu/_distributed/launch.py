@@ -82,6 +82,43 @@ def _shut_down_runtime():
         jax.clear_caches()
 
 
+def _host_of(rank):
+    """`rank`'s host, where this process knows the TPU slice's hosts (one process per chip)."""
+    t = _tpu_launch
+    if t is None or not t.per_chip:
+        return None
+    per_slice = len(t.hosts) * t.local_world_size
+    slice_id, worker = rank // per_slice, rank % per_slice // t.local_world_size
+    if slice_id != t.slice_id:
+        return f"TPU worker {worker} of slice {slice_id}"
+    return f"TPU worker {worker} ({t.hosts[worker]})"
+
+
+def _wait_for_every_rank(store, rank, world_size, timeout):
+    """Every rank reaches JAX's multi-process runtime, or a DistBackendError naming those that
+    did not within the group's timeout.  JAX's own wait for them ends by aborting the process
+    (a fatal log of its coordination service, "DEADLINE_EXCEEDED ... RegisterTask"), which
+    nothing can catch; and on a TPU slice a host that never starts leaves the others waiting
+    with nothing that names it."""
+    keys = [f"torchtpu/jax_joining/{r}" for r in range(world_size)]
+    store.set(keys[rank], "1")
+    try:
+        store.wait(keys, timeout)
+        return
+    except RuntimeError:  # DistStoreError: the timeout
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        if not missing:
+            raise
+    hosts = sorted({h for h in map(_host_of, missing) if h})
+    import torch.distributed as dist
+    raise dist.DistBackendError(
+        f"init_process_group('tpu'): rank(s) {missing} of {world_size} did not reach JAX's "
+        f"multi-process runtime within the group's timeout ({timeout})"
+        + (f"; their host(s): {', '.join(hosts)}" if hosts else "")
+        + ". They connected and then stopped or hang before starting it: see their output "
+        "(an exception, a slow import or download, a process that died).")
+
+
 def initialize(store, rank, world_size, timeout):
     global _initialized
     if world_size == 1 or _initialized:
@@ -94,6 +131,7 @@ def initialize(store, rank, world_size, timeout):
     if rank == 0:
         store.set(key, f"{_coordinator_host()}:{_free_port()}")
     address = store.get(key).decode()
+    _wait_for_every_rank(store, rank, world_size, timeout)
     # On the CPU the cross-process collectives run on gloo; TPU and GPU use their own.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # XLA:CPU's concurrency-optimized scheduler orders collectives that do not depend on each
