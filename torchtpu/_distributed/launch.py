@@ -115,8 +115,8 @@ def _wait_for_every_rank(store, rank, world_size, timeout):
         f"init_process_group('tpu'): rank(s) {missing} of {world_size} did not reach JAX's "
         f"multi-process runtime within the group's timeout ({timeout})"
         + (f"; their host(s): {', '.join(hosts)}" if hosts else "")
-        + ". They connected and then stopped or hang before starting it: see their output "
-        "(an exception, a slow import or download, a process that died).")
+        + ". They connected to the group and then stopped or hang before starting it (a "
+        "process that died or was killed): see their output.")
 
 
 def initialize(store, rank, world_size, timeout):
