@@ -717,6 +717,28 @@ def scenario_never_joins():
     os._exit(0)
 
 
+def scenario_stops_before_runtime():
+    """Rank 1 connects (the store, gloo) and stops before JAX's multi-process runtime, as a host
+    whose process died or hangs in its setup: rank 0's init_process_group names it."""
+    rank = int(os.environ["RANK"])
+    if rank == 1:
+        from torchtpu._distributed import launch
+
+        def stop(*args, **kwargs):
+            print("PASS stops_before_runtime rank 1", flush=True)
+            os._exit(0)
+        launch.initialize = stop
+    start = time.time()
+    try:
+        dist.init_process_group("tpu", timeout=datetime.timedelta(seconds=5))
+        raise AssertionError("init_process_group returned without rank 1's runtime")
+    except dist.DistBackendError as e:
+        print(f"MEASURE error_after={time.time() - start:.1f}s {type(e).__name__}: "
+              f"{str(e).splitlines()[0]}", flush=True)
+    print("PASS stops_before_runtime rank 0", flush=True)
+    os._exit(0)
+
+
 # --- launch order: torch.tpu queries before init_process_group, as in CUDA scripts -----------
 def scenario_launch_order():
     local = int(os.environ["LOCAL_RANK"])

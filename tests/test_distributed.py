@@ -174,6 +174,17 @@ def test_rank_that_never_joins_fails_init_within_timeout():
     assert waited <= 20, m
 
 
+def test_a_rank_that_stops_before_the_runtime_is_named_within_the_timeout():
+    # JAX's coordination service would abort rank 0 (an uncatchable fatal log) instead
+    results = launch("stops_before_runtime", 2, timeout=120)
+    assert_passed(results, "stops_before_runtime")
+    (m,) = measures(results[0][1])
+    waited = float(re.search(r"error_after=([\d.]+)s", m).group(1))
+    assert waited <= 20, m
+    assert "DistBackendError: init_process_group('tpu'): rank(s) [1] of 2 did not reach JAX's " \
+           "multi-process runtime within the group's timeout (0:00:05)" in m, m
+
+
 @pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(
     os.path.join(os.path.dirname(sys.executable), "torchrun")), reason="torchrun not installed")
 def test_torchrun_launches_unchanged_script(tmp_path):

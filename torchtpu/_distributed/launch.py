@@ -7,6 +7,12 @@ process id. JAX requires this before its backends start; as on CUDA, `torch.tpu`
 (`device_count()`, `get_device_properties()`...) may come first: a runtime they started holds no
 array yet, so it is shut down and restarts as part of the multi-process runtime. Only a process
 that already holds tpu tensors cannot join.
+
+On a TPU host started with one process per chip (`torchrun --nproc-per-node=<chips>`), libtpu
+needs each process's chip, the slice's process bounds and every process's address before it
+loads: `tpu_hosts.configure` derives and sets them (the runtime's first start does it too), and
+JAX's process id and count are the slice-major ones it derived, with JAX's cluster detection off
+(it would count per-chip addresses but use the host's id).  Without TPU chips nothing changes.
 """
 import os
 import socket
@@ -14,6 +20,7 @@ import socket
 import jax
 
 _initialized = False
+_tpu_launch = None  # tpu_hosts.Launch of the default group's process, None without TPU chips
 
 
 def _free_port():
@@ -49,6 +56,18 @@ def refuse_if_too_late(world_size):
             "(torch.tpu queries such as device_count() may come before it).")
 
 
+def configure_tpu_hosts(rank, world_size):
+    """Set the TPU host's variables for this process (tpu_hosts.configure), checked against the
+    group's rank and size.  The process group calls it before connecting to any other rank, as
+    refuse_if_too_late: a launch libtpu cannot form a slice from raises on every rank alike."""
+    global _tpu_launch
+    if world_size == 1 or _initialized:
+        return
+    from . import tpu_hosts
+    _tpu_launch = tpu_hosts.configure(dict(os.environ, RANK=str(rank),
+                                           WORLD_SIZE=str(world_size)))
+
+
 def _shut_down_runtime():
     from .._core import runtime
     from .._execution import fused, kernels
@@ -63,6 +82,43 @@ def _shut_down_runtime():
         jax.clear_caches()
 
 
+def _host_of(rank):
+    """`rank`'s host, where this process knows the TPU slice's hosts (one process per chip)."""
+    t = _tpu_launch
+    if t is None or not t.per_chip:
+        return None
+    per_slice = len(t.hosts) * t.local_world_size
+    slice_id, worker = rank // per_slice, rank % per_slice // t.local_world_size
+    if slice_id != t.slice_id:
+        return f"TPU worker {worker} of slice {slice_id}"
+    return f"TPU worker {worker} ({t.hosts[worker]})"
+
+
+def _wait_for_every_rank(store, rank, world_size, timeout):
+    """Every rank reaches JAX's multi-process runtime, or a DistBackendError naming those that
+    did not within the group's timeout.  JAX's own wait for them ends by aborting the process
+    (a fatal log of its coordination service, "DEADLINE_EXCEEDED ... RegisterTask"), which
+    nothing can catch; and on a TPU slice a host that never starts leaves the others waiting
+    with nothing that names it."""
+    keys = [f"torchtpu/jax_joining/{r}" for r in range(world_size)]
+    store.set(keys[rank], "1")
+    try:
+        store.wait(keys, timeout)
+        return
+    except RuntimeError:  # DistStoreError: the timeout
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        if not missing:
+            raise
+    hosts = sorted({h for h in map(_host_of, missing) if h})
+    import torch.distributed as dist
+    raise dist.DistBackendError(
+        f"init_process_group('tpu'): rank(s) {missing} of {world_size} did not reach JAX's "
+        f"multi-process runtime within the group's timeout ({timeout})"
+        + (f"; their host(s): {', '.join(hosts)}" if hosts else "")
+        + ". They connected to the group and then stopped or hang before starting it (a "
+        "process that died or was killed): see their output.")
+
+
 def initialize(store, rank, world_size, timeout):
     global _initialized
     if world_size == 1 or _initialized:
@@ -75,6 +131,7 @@ def initialize(store, rank, world_size, timeout):
     if rank == 0:
         store.set(key, f"{_coordinator_host()}:{_free_port()}")
     address = store.get(key).decode()
+    _wait_for_every_rank(store, rank, world_size, timeout)
     # On the CPU the cross-process collectives run on gloo; TPU and GPU use their own.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # XLA:CPU's concurrency-optimized scheduler orders collectives that do not depend on each
@@ -89,6 +146,11 @@ def initialize(store, rank, world_size, timeout):
                         ("--xla_gpu_enable_latency_hiding_scheduler", "true")):
         if flag not in os.environ.get("XLA_FLAGS", ""):
             os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={value}".strip()
+    options = {}
+    if _tpu_launch is not None and _tpu_launch.per_chip:
+        # rank and world_size are the derived process id and count (configure_tpu_hosts checked)
+        options["cluster_detection_method"] = "deactivate"
     jax.distributed.initialize(address, num_processes=world_size, process_id=rank,
-                               initialization_timeout=max(int(timeout.total_seconds()), 1))
+                               initialization_timeout=max(int(timeout.total_seconds()), 1),
+                               **options)
     _initialized = True

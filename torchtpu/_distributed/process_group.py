@@ -165,6 +165,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         self._broken = None
         if not global_ranks:
             launch.refuse_if_too_late(size)  # before connecting: every rank raises alike
+            launch.configure_tpu_hosts(rank, size)  # (likewise)
         self._cpu = dist.ProcessGroupGloo(
             dist.PrefixStore("torchtpu-gloo/", store), rank, size, timeout)
         if not global_ranks:  # the default (world) group starts JAX's multi-process runtime
