@@ -1,6 +1,6 @@
 """One process per TPU chip, without a TPU: the launch environments users start jobs in (torchrun
 on a TPU VM, several hosts, GKE, multislice), faked (environment variables, the TPU VM's
-metadata, the chips on the PCI bus), and the variables torchtpu/_distributed/tpu_hosts.py
+metadata, the chips on the PCI bus), and the variables torchtpu/_core/tpu_hosts.py
 derives for libtpu and JAX.  The expected values are written from the rules (issue 46):
 
   process bounds = host bounds x the host's chip bounds; chips per process 1,1,1;
@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from torchtpu._distributed import tpu_hosts
+from torchtpu._core import tpu_hosts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -11,7 +11,7 @@ def tpu_hosts_info(environ=None, chips=None, metadata=None):
     process here would set for libtpu: this process's, and under torchrun with one process per
     chip, its first one's."""
     import os
-    from torchtpu._distributed import tpu_hosts
+    from torchtpu._core import tpu_hosts
     environ = dict(os.environ if environ is None else environ)
     chips = tpu_hosts.scan_chips() if chips is None else chips
     metadata = metadata or tpu_hosts.read_metadata

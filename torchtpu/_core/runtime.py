@@ -79,7 +79,7 @@ def platform():
         # On a TPU host with one process per chip (torchrun --nproc-per-node=<chips>), each
         # process must be given its chip before libtpu loads, or all open every chip; torch.tpu
         # queries may come before init_process_group.  Nothing happens without TPU chips.
-        from .._distributed import tpu_hosts
+        from . import tpu_hosts
         tpu_hosts.configure()
         _platform = _choose_platform()
     return _platform
@@ -113,7 +113,7 @@ def device_count():
 def jax_device(index):
     devs = devices()
     if not 0 <= index < len(devs):
-        from .._distributed import tpu_hosts
+        from . import tpu_hosts
         chip = tpu_hosts._applied.get("TPU_VISIBLE_CHIPS")
         hint = "" if chip is None else (
             f" (one process per TPU chip: this process was given chip {chip} of its host, "

@@ -63,7 +63,7 @@ def configure_tpu_hosts(rank, world_size):
     global _tpu_launch
     if world_size == 1 or _initialized:
         return
-    from . import tpu_hosts
+    from .._core import tpu_hosts
     _tpu_launch = tpu_hosts.configure(dict(os.environ, RANK=str(rank),
                                            WORLD_SIZE=str(world_size)))
 
