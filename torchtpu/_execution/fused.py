@@ -769,7 +769,8 @@ def segment_function(signature, outputs, scalar_types, guarded, constants, order
     constants of the program rather than read from `packed`.  `stop`: run the ops before op
     `stop` only, as strict eager would have before an op that raised: each storage a later op
     writes keeps the value it had then, one a later op makes is zeros, their checks pass; the
-    function then takes the whole segment's (results, checks) shapes first."""
+    function then takes the whole segment's (results, checks) shapes and the verdict of the
+    ranks' check (False where it runs) first."""
     if stop is not None:
         # Per slot: the slot or external input (< 0) whose storage it overwrites, or None.
         before = []
@@ -780,8 +781,8 @@ def segment_function(signature, outputs, scalar_types, guarded, constants, order
     def segment(donated, kept, packed):
         return run(donated, kept, packed, None)
 
-    def until(shapes, donated, kept, packed):
-        return run(donated, kept, packed, shapes)
+    def until(shapes, verdict, donated, kept, packed):
+        return run(donated, kept, packed, (shapes, verdict))
 
     def run(donated, kept, packed, shapes):
         given = list(donated) + list(kept)
@@ -802,10 +803,10 @@ def segment_function(signature, outputs, scalar_types, guarded, constants, order
         if stop is None:
             results = [slots[s] for s in outputs]
         else:
-            wanted, checked = shapes
+            (wanted, checked), verdict = shapes
             if order.back is not None:
                 wanted = [wanted[p] for p in order.back]
-            results = [_as_of(s, slots, before, ext, w) for s, w in zip(outputs, wanted)]
+            results = [_as_of(s, slots, before, ext, w, verdict) for s, w in zip(outputs, wanted)]
             checks.extend(jax.tree_util.tree_map(lambda c: jnp.ones(c.shape, c.dtype),
                                                  checked[stop:]))
         passed = all_passed(checks)
@@ -819,16 +820,22 @@ def segment_function(signature, outputs, scalar_types, guarded, constants, order
     return segment if stop is None else until
 
 
-def _as_of(slot, slots, before, ext, shape):
+def _as_of(slot, slots, before, ext, shape, verdict):
     """The value of the storage that `slot` is a value of, as of the ops run (`slots`): the
     slot's own, or what it overwrote, back to the external input; zeros where it was made
-    later."""
+    later.  An input is given as a select on the `verdict` (False there), not passed through:
+    a branch that returns an input as a result whose buffer is not that input's (one not
+    donated, or donated to another result of its shape) makes XLA copy the input ahead of the
+    conditional, at every run (141 copies in a fused FSDP2 step's backward)."""
     while slot is not None and slot >= len(slots):
         slot = before[slot]
+    zeros = jnp.zeros(shape.shape, shape.dtype)
     if slot is None:
-        return jnp.zeros(shape.shape, shape.dtype)
+        return zeros
     value = slots[slot] if slot >= 0 else ext[-1 - slot]
-    return value if value.shape == shape.shape and value.dtype == shape.dtype else jnp.zeros(shape.shape, shape.dtype)
+    if value.shape != shape.shape or value.dtype != shape.dtype:
+        return zeros
+    return jnp.where(verdict, zeros, value) if slot < 0 else value
 
 
 def _with_constants(scalars, scalar_types, constants, signature):
