@@ -33,6 +33,14 @@ Variants (rank processes use one CPU JAX device each, gloo underneath):
                                                       jax.checkpoint) and psum_scatters the
                                                       gradients, AdamW on the shards
   torch-fsdp, torch-ddp                               PyTorch's FSDP2 / DDP on CPU tensors, gloo
+
+With `--target v5e:2x2` (libtpu installed, no TPU needed) it times nothing: each 2-rank job's
+steady step is compiled for the first 2 chips of that TPU topology, and what the TPU compiler
+says of each program is printed (HBM per chip, roofline, bytes, collectives and how many of
+them overlap compute, compile seconds), the FSDP variants' beside JAX's:
+
+    python benchmarks/scaling.py --target v5e:2x2 --models gpt \
+        --variants tpu-fsdp-fused,tpu-fsdp-onestep,jax-fsdp
 """
 import argparse
 import json
@@ -64,7 +72,7 @@ def _port():
         return s.getsockname()[1]
 
 
-def _launch(variant, model, world, cores, steps, timeout):
+def _launch(variant, model, world, cores, steps, timeout, target=None):
     """One job of `world` ranks, rank r pinned to cores[r]; returns each rank's RESULT."""
     port = _port()
     procs = []
@@ -78,7 +86,7 @@ def _launch(variant, model, world, cores, steps, timeout):
         if variant == "tpu-fsdp-fused-split":
             env["TORCHTPU_COLLECTIVES_IN_PROGRAM"] = "0"
         cmd = ["taskset", "-c", str(cores[r]), sys.executable, __file__, "--worker", variant,
-               "--model", model, "--steps", str(steps)]
+               "--model", model, "--steps", str(steps)] + (["--target", target] if target else [])
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     results = []
@@ -107,6 +115,10 @@ def _side_by_side(variant, model, cores, steps, timeout):
 
 def drive(a):
     cores = [int(c) for c in a.cores.split(",")]
+    if a.target:
+        if a.dump:
+            os.environ["TORCHTPU_BENCH_DUMP"] = os.path.abspath(a.dump)
+        return drive_target(a, cores)
     print(f"# weak scaling on cores {cores}, {a.steps} steps, batch {BATCH} per rank, "
           f"{time.strftime('%Y-%m-%d')}", flush=True)
     rows = []
@@ -133,6 +145,60 @@ def drive(a):
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def drive_target(a, cores):
+    print(f"# each 2-rank step compiled for {a.target}, {time.strftime('%Y-%m-%d')}", flush=True)
+    rows = []
+    for model in a.models.split(","):
+        jax_total = None
+        for variant in a.variants.split(","):
+            try:
+                reports = _launch(variant, model, 2, cores[:2], 0, a.timeout, a.target)[0]["reports"]
+            except RuntimeError as e:
+                print(f"{model:6s} {variant:18s} FAILED: {str(e).splitlines()[0]}", flush=True)
+                print("\n".join(str(e).splitlines()[-15:]), flush=True)
+                continue
+            total = _target_total(reports)
+            if variant == "jax-fsdp":
+                jax_total = total
+            rows.append(dict(model=model, variant=variant, reports=reports, total=total))
+            for r in reports:
+                print(f"{model:6s} {variant:18s} {_target_line(r)}", flush=True)
+            line = (f"{model:6s} {variant:18s} step: {total['programs']} programs, HBM "
+                    f"{total['hbm_bytes'] / 2**20:.1f} MiB (largest), {total['bytes_accessed'] / 1e6:.1f} MB, "
+                    f"roofline {total['optimal_seconds'] * 1e3:.3f} ms{total['uncosted']}, compile "
+                    f"{total['compile_seconds']:.1f} s")
+            if jax_total is not None and variant != "jax-fsdp":
+                line += " | vs JAX's: " + ", ".join(
+                    f"{k} {total[k] / jax_total[k]:.2f}x" for k in
+                    ("bytes_accessed", "optimal_seconds", "hbm_bytes", "compile_seconds")
+                    if jax_total[k] and not (k == "optimal_seconds" and total["uncosted"]))
+            print(line, flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def _target_total(reports):
+    return dict(programs=len(reports), bytes_accessed=sum(r["bytes_accessed"] for r in reports),
+                optimal_seconds=sum(r["optimal_seconds"] for r in reports),
+                compile_seconds=sum(r["compile_seconds"] for r in reports),
+                hbm_bytes=max((r["hbm_bytes"] for r in reports), default=0),
+                uncosted="" if all(r["branches_costed"] for r in reports) else
+                " (without conditional branches)")
+
+
+def _target_line(r):
+    if r["error"]:
+        return f"{r['name']}: does not compile: {r['error']}"
+    coll = ", ".join(f"{k} {n} ({o} overlapped)" for k, (n, o) in sorted(r["collectives"].items()))
+    return (f"{r['name'][:48]:48s} HBM {r['hbm_bytes'] / 2**20:7.1f} MiB (temporaries "
+            f"{r['temp_bytes'] / 2**20:.1f}), {r['bytes_accessed'] / 1e6:7.1f} MB, roofline "
+            f"{r['optimal_seconds'] * 1e3:.3f} ms{'' if r['branches_costed'] else ' (without its conditional branches)'}, "
+            f"{r['parameters']} parameters, {r['copies']} copies, "
+            f"collectives: {coll or 'none'}, {r.get('hlo_lines', 0)} HLO lines, compile "
+            f"{r['compile_seconds']:.1f} s")
 
 
 def _row(model, variant, single, job, four):
@@ -224,7 +290,7 @@ def _timed(step, batches, sync, counted=None):
     return times, first, deltas
 
 
-def _tpu_worker(variant, name, steps):
+def _tpu_worker(variant, name, steps, target=None):
     import torch
     import torch.distributed as dist
     import torchtpu
@@ -257,6 +323,8 @@ def _tpu_worker(variant, name, steps):
 
     if mode == "onestep":
         step = torch.compile(step, backend="tpu", mode="reduce-overhead")
+    if target:
+        return _targeted(step, name, r, target, captured=mode == "onestep")
     times, first, deltas = _timed(step, _batches(name, r, steps), lambda loss: loss.item(),
                                   torchtpu.metrics)
     steady = deltas[len(deltas) // 2]
@@ -274,6 +342,39 @@ def _tpu_worker(variant, name, steps):
                     builds=built)
     return dict(times=times, first_loss=first, per_step=per_step, bytes=moved if n > 1 else None,
                 analytic=analytic if n > 1 else None)
+
+
+def _targeted(step, name, r, target, captured):
+    """Rank 0's reports of the steady step's programs compiled for `target`: the programs a
+    step runs once warm (its ops and segments built again after the caches are cleared), or a
+    captured step's one graph."""
+    import contextlib
+    import torch
+    import torchtpu
+    batches = _batches(name, r, 4)
+    if not captured:
+        for b in batches[:3]:
+            step(b).item()
+        torchtpu.clear_caches()
+        batches = batches[3:]
+    with torch.tpu.compile_for(target) if r == 0 else contextlib.nullcontext([]) as reports:
+        for b in batches:
+            step(b).item()
+    if captured and reports:  # (the warm-up's op programs before it: the graph is the step)
+        reports = [max(reports, key=lambda x: x.parameters)]
+    return dict(reports=[_reported(x) for x in reports])
+
+
+def _reported(report):
+    """A Report as the driver gets it: its HLO's length, and the HLO itself written to
+    $TORCHTPU_BENCH_DUMP (--dump) where set."""
+    folder = os.environ.get("TORCHTPU_BENCH_DUMP")
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        name = "".join(c if c.isalnum() else "_" for c in report.name)[:60]
+        with open(os.path.join(folder, f"{name}.{report.target}.hlo.txt"), "w") as f:
+            f.write(report.text)
+    return dict(report.as_dict(), hlo_lines=report.text.count("\n"))
 
 
 def _torch_cpu_worker(variant, name, steps):
@@ -306,7 +407,7 @@ def _torch_cpu_worker(variant, name, steps):
     return dict(times=times, first_loss=first)
 
 
-def _jax_worker(name, steps):
+def _jax_worker(name, steps, target=None):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -359,11 +460,14 @@ def _jax_worker(name, steps):
         shards, m, v = jax_models.adamw(shards, m, v, g, t, lr=LR)
         return shards, m, v, loss  # (this rank's loss, as the torch variants report it)
 
-    spec = P("ranks")
-    # (the loss is each rank's own: not replicated, which check_vma would refuse)
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, P(), spec),
-                                 out_specs=(spec, spec, spec, P()), check_vma=False),
-                   donate_argnums=(0, 1, 2))
+    def step_over(mesh):
+        spec = P("ranks")
+        # (the loss is each rank's own: not replicated, which check_vma would refuse)
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, P(), spec),
+                                     out_specs=(spec, spec, spec, P()), check_vma=False),
+                       donate_argnums=(0, 1, 2))
+
+    step = step_over(mesh)
     m = jax.tree.map(jnp.zeros_like, params)
     v = jax.tree.map(jnp.zeros_like, params)
     state = [params, m, v, 0]
@@ -377,6 +481,15 @@ def _jax_worker(name, steps):
                                                   jnp.float32(state[3]), batch)
         return loss
 
+    if target:
+        from torchtpu._core import tpu_compiler
+        tokens = _batches(name, r, 1)[0]
+        batch = jax.make_array_from_single_device_arrays(
+            (n * tokens.shape[0], tokens.shape[1]), sharded, [jax.device_put(tokens.numpy(), device)])
+        chips = Mesh(np.array(tpu_compiler.topology(target)[:n]), ("ranks",))
+        reports = [] if r else [tpu_compiler.compile_for(
+            step_over(chips), (*state[:3], np.float32(1), batch), target, "the JAX FSDP step")]
+        return dict(reports=[_reported(x) for x in reports])
     times, first, _ = _timed(run, _batches(name, r, steps),
                              lambda loss: float(loss.addressable_data(0)))
     return dict(times=times, first_loss=first,
@@ -385,12 +498,13 @@ def _jax_worker(name, steps):
 
 def work(a):
     if a.worker.startswith("tpu-"):
-        result = _tpu_worker(a.worker, a.model, a.steps)
+        result = _tpu_worker(a.worker, a.model, a.steps, a.target)
     elif a.worker.startswith("torch-"):
         result = _torch_cpu_worker(a.worker, a.model, a.steps)
     else:
-        result = _jax_worker(a.model, a.steps)
-    result.update(_stats(result.pop("times")))
+        result = _jax_worker(a.model, a.steps, a.target)
+    if "times" in result:
+        result.update(_stats(result.pop("times")))
     print("RESULT " + json.dumps(result), flush=True)
     os._exit(0)  # (JAX's coordination service would otherwise wait for the slower rank)
 
@@ -404,6 +518,9 @@ def main():
     ap.add_argument("--cores", default="0,1")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--target", help="compile each 2-rank step for this TPU topology (e.g. "
+                    "v5e:2x2) and report, instead of timing (see above)")
+    ap.add_argument("--dump", help="with --target: write each program's TPU-scheduled HLO here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     a = ap.parse_args()
