@@ -569,7 +569,8 @@ class Segment:
                        donate_argnums=(0,) if any(donate) else ())
         if self.mesh is not None:
             # Where the ranks disagree, the ops before the first collective only (spmd.program)
-            first = next(i for i, (c, _, _) in enumerate(self.structure[0]) if c.collective is not None)
+            first = next((i for i, (c, _, _) in enumerate(self.structure[0]) if c.collective is not None),
+                         len(self.structure[0]))
             until = segment_function(*self.structure, self.order(donate), stop=first)
             return spmd.Program(function, self.mesh, self.collectives, key, self.name,
                                 self.name, skipped=until, **options)
