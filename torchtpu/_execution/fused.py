@@ -890,13 +890,16 @@ def _settle_zeros(tr):
     blocked the host behind the segments running (a Llama step's fused host time: 175 ms, 29 ms
     with them made inside); their input is then a placeholder of no elements.  A capture's
     (a compiled graph's) are all made inside: its storages are new at every run.
-    A segment that holds collectives (`tr.mesh`) gets arrays of zeros for all of them: zeros
-    made inside gave FSDP2's training (reshard_after_forward, fused eager) a wrong loss at its
-    second step, and the cause is not found yet (test_ddp_and_fsdp2_train_like_one_process
+    A fused segment that holds collectives (`tr.mesh`) gets arrays of zeros for all of them:
+    zeros made inside gave FSDP2's training (reshard_after_forward, fused eager) a wrong loss at
+    its second step, and the cause is not found yet (test_ddp_and_fsdp2_train_like_one_process
     [fused]; it failed as well with an array of zeros also passed at the same input, so the
-    zeros' values were right)."""
+    zeros' values were right).  A capture's are made inside all the same (its FSDP2 step trains
+    as one process does, [reduce-overhead]): FSDP2's unsharded parameters and its all-gather
+    and reduce-scatter buffers are the program's temporaries, not 70 MiB of zeros read from
+    HBM at every replay of the 4-layer GPT's step."""
     for k, (ref, zeros, readers, shape, made_as) in tr.unwritten.items():
-        if tr.mesh is not None or (ref() is not None and not tr.captured):
+        if not tr.captured and (tr.mesh is not None or ref() is not None):
             dtype = np.dtype(zeros[1])
             tr.ext_arrays[k] = storage.zeros_for(zeros[0] * dtype.itemsize, dtype, tr.device, shape)
         else:
