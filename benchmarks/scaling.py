@@ -186,7 +186,7 @@ def _target_total(reports):
                 compile_seconds=sum(r["compile_seconds"] for r in reports),
                 hbm_bytes=max((r["hbm_bytes"] for r in reports), default=0),
                 uncosted="" if all(r["branches_costed"] for r in reports) else
-                " (without conditional branches)")
+                " (conditionals costed by their first branch)")
 
 
 def _target_line(r):
@@ -195,7 +195,7 @@ def _target_line(r):
     coll = ", ".join(f"{k} {n} ({o} overlapped)" for k, (n, o) in sorted(r["collectives"].items()))
     return (f"{r['name'][:48]:48s} HBM {r['hbm_bytes'] / 2**20:7.1f} MiB (temporaries "
             f"{r['temp_bytes'] / 2**20:.1f}), {r['bytes_accessed'] / 1e6:7.1f} MB, roofline "
-            f"{r['optimal_seconds'] * 1e3:.3f} ms{'' if r['branches_costed'] else ' (without its conditional branches)'}, "
+            f"{r['optimal_seconds'] * 1e3:.3f} ms{'' if r['branches_costed'] else ' (a conditional costed by its first branch)'}, "
             f"{r['parameters']} parameters, {r['copies']} copies, "
             f"collectives: {coll or 'none'}, {r.get('hlo_lines', 0)} HLO lines, compile "
             f"{r['compile_seconds']:.1f} s")

@@ -17,9 +17,11 @@ Facts of libtpu 0.0.42 (jax 0.10.2) this relies on, measured here:
   (a program with 3 of them and nothing else reports -3.0); they are added back, which leaves
   the roofline of a program with n of them precise to about n x 0.5 us (a float32's rounding
   at n seconds);
-- it leaves a `conditional`'s branches out of `optimal_seconds` (their -1 s calls too): a
-  program whose work sits in a branch (one over a process group, behind the ranks' signature
-  check, spmd.py) reports little more than its entry's; `Report.branches_costed` says so;
+- of a `conditional` it costs only the first branch (its -1 s calls too; measured: a fused
+  FSDP2 segment's entry, first and second branch hold 8, 2 and 5 such calls, and it counted
+  10): a program whose work sits in another branch (one over a process group, behind the
+  ranks' signature check, spmd.py) reports little more than its entry's;
+  `Report.branches_costed` says so;
 - compile-only devices have no memory statistics: a chip's HBM is this file's table, and a
   program that does not fit fails to compile with RESOURCE_EXHAUSTED (reported, not raised).
 """
@@ -164,7 +166,7 @@ class Report:
     fusions: int = 0
     copies: int = 0            # copies in the entry computation (not copy-start/done: those
                                # move a buffer between HBM and the chip's VMEM, JAX's too)
-    branches_costed: bool = True  # False: the roofline leaves out a conditional's branches
+    branches_costed: bool = True  # False: the roofline leaves out a conditional's later branches
     x64_calls: int = 0         # 64-bit integer emulation (X64Split*/X64Combine)
     concat_bitcasts: int = 0
     collectives: dict = dataclasses.field(default_factory=dict)  # kind -> (count, overlapped)
@@ -182,7 +184,7 @@ class Report:
         return (f"{self.name} on {self.target} ({self.chip}): HBM {self.hbm_bytes / 2**20:.1f} MiB "
                 f"of {self.hbm_capacity / 2**30:.0f} GiB per chip (temporaries "
                 f"{self.temp_bytes / 2**20:.1f} MiB); roofline {self.optimal_seconds * 1e3:.4g} ms"
-                f"{'' if self.branches_costed else ' (without its conditional branches)'}; "
+                f"{'' if self.branches_costed else ' (of a conditional, its first branch only)'}; "
                 f"{self.flops / 1e9:.3f} GFLOP, {self.bytes_accessed / 1e6:.1f} MB accessed; "
                 f"{self.fusions} fusions, {self.copies} copies, {self.parameters} parameters, "
                 f"{self.x64_calls} 64-bit emulations; collectives: {coll or 'none'}; "
@@ -267,24 +269,31 @@ def _custom_calls(text):
 
 
 def _branch_computations(text):
-    """The computations a conditional runs: its branches and everything they call."""
-    calls, found = {}, []
+    """The computations libtpu's cost model leaves out: a conditional's branches but its first,
+    and everything they call (a pred's true/false form: both)."""
+    calls, costed, uncosted = {}, [], []
     for name, lines in _computations(text):
         body = "\n".join(lines)
+        groups = [re.findall(r"%[\w.-]+", g) for g in re.findall(r"branch_computations=\{([^}]*)\}", body)]
         calls[name] = re.findall(r"(?:calls|to_apply|body|condition)=(%[\w.-]+)", body) + [
-            c for group in re.findall(r"branch_computations=\{([^}]*)\}", body)
-            for c in re.findall(r"%[\w.-]+", group)]
-        if " conditional(" in body:
-            found.extend(c for group in re.findall(r"branch_computations=\{([^}]*)\}", body)
-                         for c in re.findall(r"%[\w.-]+", group))
-            found.extend(re.findall(r"(?:true|false)_computation=(%[\w.-]+)", body))
-    branches = set()
-    while found:
-        c = found.pop()
-        if c not in branches:
-            branches.add(c)
-            found.extend(calls.get(c, ()))
-    return branches
+            c for group in groups for c in group]
+        for line in lines:
+            if " conditional(" not in line:
+                continue
+            for group in [re.findall(r"%[\w.-]+", g) for g in re.findall(r"branch_computations=\{([^}]*)\}", line)]:
+                costed.extend(group[:1])
+                uncosted.extend(group[1:])
+            uncosted.extend(re.findall(r"(?:true|false)_computation=(%[\w.-]+)", line))
+
+    def reached(found):
+        seen = set()
+        while found:
+            c = found.pop()
+            if c not in seen:
+                seen.add(c)
+                found.extend(calls.get(c, ()))
+        return seen
+    return reached(uncosted) - reached(costed)
 
 
 def entry_instructions(text):
