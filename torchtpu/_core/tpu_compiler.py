@@ -273,17 +273,14 @@ def _branch_computations(text):
     and everything they call (a pred's true/false form: both)."""
     calls, costed, uncosted = {}, [], []
     for name, lines in _computations(text):
-        body = "\n".join(lines)
-        groups = [re.findall(r"%[\w.-]+", g) for g in re.findall(r"branch_computations=\{([^}]*)\}", body)]
-        calls[name] = re.findall(r"(?:calls|to_apply|body|condition)=(%[\w.-]+)", body) + [
-            c for group in groups for c in group]
+        calls[name] = []
         for line in lines:
-            if " conditional(" not in line:
-                continue
-            for group in [re.findall(r"%[\w.-]+", g) for g in re.findall(r"branch_computations=\{([^}]*)\}", line)]:
-                costed.extend(group[:1])
-                uncosted.extend(group[1:])
-            uncosted.extend(re.findall(r"(?:true|false)_computation=(%[\w.-]+)", line))
+            branches = [c for group in re.findall(r"branch_computations=\{([^}]*)\}", line)
+                        for c in re.findall(r"%[\w.-]+", group)]
+            calls[name] += re.findall(r"(?:calls|to_apply|body|condition)=(%[\w.-]+)", line) + branches
+            if " conditional(" in line:
+                costed += branches[:1]
+                uncosted += branches[1:] + re.findall(r"(?:true|false)_computation=(%[\w.-]+)", line)
 
     def reached(found):
         seen = set()

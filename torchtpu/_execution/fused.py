@@ -569,8 +569,8 @@ class Segment:
                        donate_argnums=(0,) if any(donate) else ())
         if self.mesh is not None:
             # Where the ranks disagree, the ops before the first collective only (spmd.program)
-            first = next((i for i, (c, _, _) in enumerate(self.structure[0]) if c.collective is not None),
-                         len(self.structure[0]))
+            ops = self.structure[0]
+            first = next((i for i, (c, _, _) in enumerate(ops) if c.collective is not None), len(ops))
             until = segment_function(*self.structure, self.order(donate), stop=first)
             return spmd.Program(function, self.mesh, self.collectives, key, self.name,
                                 self.name, skipped=until, **options)
@@ -776,7 +776,7 @@ def segment_function(signature, outputs, scalar_types, guarded, constants, order
         # Per slot: the slot or external input (< 0) whose storage it overwrites, or None.
         before = []
         for compiled, wiring, _ in signature:
-            before.extend([None] * (len(compiled.wrap_specs)))
+            before.extend([None] * len(compiled.wrap_specs))
             before.extend(wiring[j] if type(wiring[j]) is int else None for j in compiled.writes)
 
     def segment(donated, kept, packed):

@@ -175,8 +175,8 @@ def program(fn, sig, inline_below=0, skipped=None):
     """The body of a program over a group's mesh: `fn(*args)` (the per-rank computation,
     collectives over AXIS included) behind the signature check: where the ranks' signatures
     differ, the program gives `skipped(shapes, verdict, *args)` instead (fn's results, of
-    `shapes`, as of its ops before the first collective: a fused segment's) or, without one, fn with its
-    collectives skipped (`skipping`).  Its first argument is the previous such program's
+    `shapes`, as of its ops before the first collective: a fused segment's) or, without one,
+    fn with its collectives skipped (`skipping`).  Its first argument is the previous such program's
     marker, unused but kept (see Program).  Returns fn's outputs, the check's verdict, every
     rank's signature and a marker (see _marker)."""
     def body(after, *args):
@@ -192,10 +192,11 @@ def program(fn, sig, inline_below=0, skipped=None):
             # again); the other branch holds only the ops before the first collective, so the
             # program is not twice the step for XLA to compile.
             traced, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+            tree = jax.tree_util.tree_structure(shapes)
 
             def replay(a):
-                return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), jax.core.eval_jaxpr(
-                    traced.jaxpr, traced.consts, *jax.tree_util.tree_leaves(a)))
+                flat = jax.core.eval_jaxpr(traced.jaxpr, traced.consts, *jax.tree_util.tree_leaves(a))
+                return jax.tree_util.tree_unflatten(tree, flat)
             out = lax.cond(ok, lambda a: replay(a[0]), lambda a: skipped(shapes, a[1], *a[0]),
                            (args, ok))
         return out, ok, rows, marker
