@@ -218,10 +218,10 @@ def read(compiled, report):
     """Fill `report` from a TPU `jax.stages.Compiled`."""
     text = compiled.as_text()
     report.text = text
-    calls = collections.Counter(re.findall(r'custom_call_target="(\w+)"', text))
+    found = _custom_calls(text)
+    calls = collections.Counter(call for _, call in found)
     branches = _branch_computations(text)
-    costed = collections.Counter(call for computation, call in _custom_calls(text)
-                                 if computation not in branches)
+    costed = collections.Counter(call for computation, call in found if computation not in branches)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     report.flops = float(cost.get("flops", 0.0))
