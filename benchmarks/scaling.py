@@ -154,51 +154,32 @@ def drive_target(a, cores):
         jax_total = None
         for variant in a.variants.split(","):
             try:
-                reports = _launch(variant, model, 2, cores[:2], 0, a.timeout, a.target)[0]["reports"]
+                result = _launch(variant, model, 2, cores[:2], 0, a.timeout, a.target)[0]
             except RuntimeError as e:
                 print(f"{model:6s} {variant:18s} FAILED: {str(e).splitlines()[0]}", flush=True)
                 print("\n".join(str(e).splitlines()[-15:]), flush=True)
                 continue
-            total = _target_total(reports)
+            reports, total = result["reports"], result["total"]
+            uncosted = not all(r["branches_costed"] for r in reports)
             if variant == "jax-fsdp":
                 jax_total = total
             rows.append(dict(model=model, variant=variant, reports=reports, total=total))
             for r in reports:
-                print(f"{model:6s} {variant:18s} {_target_line(r)}", flush=True)
+                print(f"{model:6s} {variant:18s} {r['line']}; {r['hlo_lines']} HLO lines", flush=True)
             line = (f"{model:6s} {variant:18s} step: {total['programs']} programs, HBM "
                     f"{total['hbm_bytes'] / 2**20:.1f} MiB (largest), {total['bytes_accessed'] / 1e6:.1f} MB, "
-                    f"roofline {total['optimal_seconds'] * 1e3:.3f} ms{total['uncosted']}, compile "
+                    f"roofline {total['optimal_seconds'] * 1e3:.3f} ms"
+                    f"{' (conditionals costed by their first branch)' if uncosted else ''}, compile "
                     f"{total['compile_seconds']:.1f} s")
             if jax_total is not None and variant != "jax-fsdp":
                 line += " | vs JAX's: " + ", ".join(
                     f"{k} {total[k] / jax_total[k]:.2f}x" for k in
                     ("bytes_accessed", "optimal_seconds", "hbm_bytes", "compile_seconds")
-                    if jax_total[k] and not (k == "optimal_seconds" and total["uncosted"]))
+                    if jax_total[k] and not (k == "optimal_seconds" and uncosted))
             print(line, flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
-
-
-def _target_total(reports):
-    return dict(programs=len(reports), bytes_accessed=sum(r["bytes_accessed"] for r in reports),
-                optimal_seconds=sum(r["optimal_seconds"] for r in reports),
-                compile_seconds=sum(r["compile_seconds"] for r in reports),
-                hbm_bytes=max((r["hbm_bytes"] for r in reports), default=0),
-                uncosted="" if all(r["branches_costed"] for r in reports) else
-                " (conditionals costed by their first branch)")
-
-
-def _target_line(r):
-    if r["error"]:
-        return f"{r['name']}: does not compile: {r['error']}"
-    coll = ", ".join(f"{k} {n} ({o} overlapped)" for k, (n, o) in sorted(r["collectives"].items()))
-    return (f"{r['name'][:48]:48s} HBM {r['hbm_bytes'] / 2**20:7.1f} MiB (temporaries "
-            f"{r['temp_bytes'] / 2**20:.1f}), {r['bytes_accessed'] / 1e6:7.1f} MB, roofline "
-            f"{r['optimal_seconds'] * 1e3:.3f} ms{'' if r['branches_costed'] else ' (a conditional costed by its first branch)'}, "
-            f"{r['parameters']} parameters, {r['copies']} copies, "
-            f"collectives: {coll or 'none'}, {r.get('hlo_lines', 0)} HLO lines, compile "
-            f"{r['compile_seconds']:.1f} s")
 
 
 def _row(model, variant, single, job, four):
@@ -362,19 +343,25 @@ def _targeted(step, name, r, target, captured):
             step(b).item()
     if captured and reports:  # (the warm-up's op programs before it: the graph is the step)
         reports = [max(reports, key=lambda x: x.parameters)]
-    return dict(reports=[_reported(x) for x in reports])
+    return _reported(reports)
 
 
-def _reported(report):
-    """A Report as the driver gets it: its HLO's length, and the HLO itself written to
-    $TORCHTPU_BENCH_DUMP (--dump) where set."""
+def _reported(reports):
+    """What the driver gets of Reports: each as a dict with its printed line and its HLO's
+    length (the HLO itself written to $TORCHTPU_BENCH_DUMP, --dump, where set), and their total."""
+    from torchtpu._core import tpu_compiler
+    return dict(reports=[_one_reported(x) for x in reports],
+                total=tpu_compiler.Reports(reports).total())
+
+
+def _one_reported(report):
     folder = os.environ.get("TORCHTPU_BENCH_DUMP")
     if folder:
         os.makedirs(folder, exist_ok=True)
         name = "".join(c if c.isalnum() else "_" for c in report.name)[:60]
         with open(os.path.join(folder, f"{name}.{report.target}.hlo.txt"), "w") as f:
             f.write(report.text)
-    return dict(report.as_dict(), hlo_lines=report.text.count("\n"))
+    return dict(report.as_dict(), hlo_lines=report.text.count("\n"), line=str(report))
 
 
 def _torch_cpu_worker(variant, name, steps):
@@ -487,9 +474,8 @@ def _jax_worker(name, steps, target=None):
         batch = jax.make_array_from_single_device_arrays(
             (n * tokens.shape[0], tokens.shape[1]), sharded, [jax.device_put(tokens.numpy(), device)])
         chips = Mesh(np.array(tpu_compiler.topology(target)[:n]), ("ranks",))
-        reports = [] if r else [tpu_compiler.compile_for(
-            step_over(chips), (*state[:3], np.float32(1), batch), target, "the JAX FSDP step")]
-        return dict(reports=[_reported(x) for x in reports])
+        return _reported([] if r else [tpu_compiler.compile_for(
+            step_over(chips), (*state[:3], np.float32(1), batch), target, "the JAX FSDP step")])
     times, first, _ = _timed(run, _batches(name, r, steps),
                              lambda loss: float(loss.addressable_data(0)))
     return dict(times=times, first_loss=first,
