@@ -249,10 +249,15 @@ def _choose(platform, q=(1, 8, 1024, 64), k=None, dtype="float32", mask=None, dr
 
 def test_attention_implementation_choice_by_platform():
     assert _choose("tpu") == "pallas_flash"
-    assert _choose("tpu", mask="bool") == "xla"  # (a row with no key: PyTorch's zeros)
-    assert _choose("tpu", q=(1, 8, 1000, 64)) == "xla"  # (not a multiple of 128)
+    # (short sequences: the dense program, whose roofline on v5e is below the loops' to 384)
+    assert _choose("tpu", q=(8, 4, 128, 64)) == "xla"
+    assert _choose("tpu", q=(8, 4, 384, 64), mask="bool", dropout=0.1) == "xla"
+    assert _choose("tpu", q=(8, 4, 512, 64)) == "pallas_flash"
+    # (longer ones the Pallas kernel cannot take: the loops)
+    assert _choose("tpu", mask="bool") == "blockwise"  # (a row with no key: PyTorch's zeros)
+    assert _choose("tpu", q=(1, 8, 1000, 64)) == "blockwise"  # (not a multiple of 128)
     assert _choose("tpu", q=(8, 32, 8192, 64), mask="bool") == "blockwise"  # (8 GiB of scores)
-    assert _choose("tpu", dropout=0.1) == "xla"
+    assert _choose("tpu", dropout=0.1) == "blockwise"
     assert _choose("gpu", dtype="bfloat16") == "cudnn"
     assert _choose("gpu") == "xla"  # (cuDNN's fused attention: half precision only)
     assert _choose("gpu", dtype="float16", q=(1, 8, 5, 64), k=(1, 8, 9, 64)) == "xla"  # causal

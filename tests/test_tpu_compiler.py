@@ -49,6 +49,27 @@ def test_a_strict_op_compiled_for_v5e_inside_compile_for():
     assert "v5e" in str(r) and "compiled in" in str(r)
 
 
+def test_attention_compiled_for_a_tpu_target_is_the_tpus_not_the_cpus():
+    """The CPU runs L = 128 attention as blockwise loops; the program compiled for v5e is the one
+    a TPU would run: the dense program at L = 128, the Pallas kernel (Mosaic, not interpreted)
+    at L = 512."""
+    from torchtpu._core import metrics
+    for length, on_tpu in ((128, "dense"), (512, "pallas")):
+        q, k, v = (torch.randn(2, 4, length, 64, device="tpu", requires_grad=True)
+                   for _ in range(3))
+        torchtpu.clear_caches()
+        before = metrics.counters["attention::blockwise"]
+        with torch.tpu.compile_for("v5e:1x1") as reports:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out.sum().backward()
+        assert metrics.counters["attention::blockwise"] == before + 1  # what ran here
+        programs = [r for r in reports if "attention" in r.name]
+        assert len(programs) == 2 and not any(r.error for r in programs), reports.table()
+        for r in programs:
+            assert " while(" not in r.text  # (the blockwise loops are while loops)
+            assert ("tpu_custom_call" in r.text) == (on_tpu == "pallas"), r.name
+
+
 def _mlp_step(capturable):
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 10)).to("tpu")

@@ -85,6 +85,14 @@ def platform():
     return _platform
 
 
+def program_platform():
+    """The platform the program being traced is for: a TPU target's while `tpu_compiler`
+    traces one for it on this thread (a program compiled for a slice this machine lacks),
+    else this process's `platform()`.  Lowerings that choose by platform ask this."""
+    from . import tpu_compiler
+    return tpu_compiler.building_for() or platform()
+
+
 def devices():
     """The local JAX devices; `tpu:N` is `devices()[N]`."""
     global _devices

@@ -204,7 +204,8 @@ def compile_for(jitted, args, target, name="program"):
     try:
         # (stderr is not hidden here: were libtpu to abort on a program, its last words are
         # the only account of why)
-        compiled = jitted.trace(*target_args(args, devices)).lower().compile()
+        with _building_for("tpu"):
+            compiled = jitted.trace(*target_args(args, devices)).lower().compile()
     except Exception as e:  # noqa: BLE001 - libtpu's error, reported with the program's name
         report.compile_seconds = time.perf_counter() - start
         report.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:500]}"
@@ -212,6 +213,24 @@ def compile_for(jitted, args, target, name="program"):
     report.compile_seconds = time.perf_counter() - start
     read(compiled, report)
     return report
+
+
+@contextlib.contextmanager
+def _building_for(platform):
+    previous = getattr(_inside, "platform", None)
+    _inside.platform = platform
+    try:
+        yield
+    finally:
+        _inside.platform = previous
+
+
+def building_for():
+    """The platform of the target this thread is tracing a program for ("tpu"), or None: the
+    lowerings that choose by platform (attention's implementation, Pallas' interpret mode,
+    the CPU's own workarounds) choose for the target, so that the program compiled for it is
+    the one a TPU would run, not the CPU's."""
+    return getattr(_inside, "platform", None)
 
 
 def read(compiled, report):
@@ -385,9 +404,15 @@ def active():
 
 def retargeted(fn, options):
     """`jax.jit(fn, **options)` for a target: placements given as options name this process's
-    devices, so the target's program takes them from its arguments."""
-    return jax.jit(fn, **{k: v for k, v in options.items()
-                          if k not in ("in_shardings", "out_shardings", "device", "backend")})
+    devices, so the target's program takes them from its arguments.  `fn` is traced afresh
+    (JAX keeps one trace per function and argument types, whatever the devices, and the
+    lowerings that choose by platform must choose for the target)."""
+    @functools.wraps(fn)
+    def for_target(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return jax.jit(for_target, **{k: v for k, v in options.items()
+                                  if k not in ("in_shardings", "out_shardings", "device",
+                                               "backend")})
 
 
 def alongside(compile_for, args):

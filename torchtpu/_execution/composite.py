@@ -331,22 +331,23 @@ def implementation_setting(attribute="attention_implementation", variable="TORCH
 
 
 def _implementation(q, k, v, mask, dropout_p, is_causal):
-    """The attention implementation of this call (counted as `attention::<name>`)."""
+    """The attention implementation of this call (counted as `attention::<name>`), and the one
+    the op is given: the name the user asked for, else "auto" (the lowering chooses for the
+    platform its program is built for, which is this one unless a TPU target's)."""
     shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape), _dtype_name(q.dtype),
               None if mask is None else _dtype_name(mask.dtype), dropout_p, is_causal)
     platform = runtime.platform()
     asked = implementation_setting()
     if asked is None:
-        name = attention.choose(platform, *shapes)
-    else:
-        why = attention.unsupported(asked, platform, *shapes)
-        if why is not None:
-            raise RuntimeError(f"scaled_dot_product_attention: the attention implementation "
-                               f"{asked!r} (torch.tpu.attention_implementation or "
-                               f"TORCHTPU_ATTENTION) does not take this call: {why}")
-        name = asked
-    metrics.counters[f"attention::{name}"] += 1
-    return name
+        metrics.counters[f"attention::{attention.choose(platform, *shapes)}"] += 1
+        return "auto"
+    why = attention.unsupported(asked, platform, *shapes)
+    if why is not None:
+        raise RuntimeError(f"scaled_dot_product_attention: the attention implementation "
+                           f"{asked!r} (torch.tpu.attention_implementation or "
+                           f"TORCHTPU_ATTENTION) does not take this call: {why}")
+    metrics.counters[f"attention::{asked}"] += 1
+    return asked
 
 
 def _dtype_name(dtype):
@@ -361,13 +362,13 @@ def _scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_cau
             if grown is not None:
                 metrics.counters["attention::xla"] += 1
                 return grown
-        name = _implementation(q, k, v, attn_mask, dropout_p, is_causal)
+        implementation = _implementation(q, k, v, attn_mask, dropout_p, is_causal)
         seed = None
         if dropout_p:  # (drawn from the device's generator: a random op of its own)
             seed = torch.empty((), dtype=torch.int64, device=q.device).random_(1 << 62)
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         return torch.ops.torchtpu.attention(q, k, v, attn_mask, seed, float(dropout_p),
-                                            bool(is_causal), scale, name)[0]
+                                            bool(is_causal), scale, implementation)[0]
     return aten.scaled_dot_product_attention.default.decompose(
         q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 

@@ -50,7 +50,7 @@ def _rounded_half(values):
     says (x * y + x in float16 rounds once: measured 1,208 of 4,096 values off the CPU's), so
     on the CPU each op's float16 results are rounded explicitly (a reduce_precision, which
     nothing removes).  bfloat16 is rounded as asked; TPUs and GPUs compute float16 natively."""
-    if runtime.platform() != "cpu":
+    if runtime.program_platform() != "cpu":
         return values
     return [round_to(v.astype(jnp.float32), jnp.float16).astype(jnp.float16)
             if getattr(v, "dtype", None) == jnp.float16 else v for v in values]

@@ -71,7 +71,7 @@ def pallas_context():
     mixes int32 with Python ints, which become int64 under torchtpu's jax_enable_x64), and in
     interpret mode off a TPU."""
     with jax.enable_x64(False):
-        if runtime.platform() == "tpu":
+        if runtime.program_platform() == "tpu":
             yield
         else:
             import jax.experimental.pallas.tpu as pltpu
@@ -190,10 +190,11 @@ def splash_context():
 
 
 @functools.lru_cache(maxsize=64)
-def _splash_kernels(key, batch, heads):
+def _splash_kernels(key, batch, heads, platform):
     """The splash kernels (without, with the log-sum-exp) of the registered mask `key` for
     `batch` x `heads` query heads: the batch is folded into the heads, each (b, h) with its
-    mask (the kernel keeps one copy of each distinct one). Interpreted off a TPU."""
+    mask (the kernel keeps one copy of each distinct one). Interpreted unless `platform` (the
+    program's) is a TPU."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
     from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import \
         SplashAttentionKernel
@@ -211,7 +212,7 @@ def _splash_kernels(key, batch, heads):
     with jax.ensure_compile_time_eval():
         kernel = sa.make_splash_mha(sa.MultiHeadMask(per_head),
                                     block_sizes=sa.BlockSizes.get_default(), head_shards=1,
-                                    q_seq_shards=1, interpret=runtime.platform() != "tpu")
+                                    q_seq_shards=1, interpret=platform != "tpu")
     # (the same processed mask, returning the log-sum-exp: the kernel's vjp refuses that one)
     with_lse = SplashAttentionKernel(kernel.fwd_mask_info, kernel.dq_mask_info,
                                      kernel.dkv_mask_info,
@@ -235,7 +236,7 @@ def splash(q, k, v, key, scale):
     base 2 (as the flex_attention operator returns it), float32); q (B, Hq, Lq, D), k and v
     (B or 1, Hk, Lk, D or Dv)."""
     b, hq, lq, _ = q.shape
-    _, with_lse = _splash_kernels(key, b, hq)
+    _, with_lse = _splash_kernels(key, b, hq, runtime.program_platform())
     out, (lse,) = _splash_call(with_lse, q, k, v, scale)
     return (out.reshape(b, hq, lq, v.shape[-1]),
             lse.reshape(b, hq, lq).astype(jnp.float32) * (1 / math.log(2)))
@@ -244,7 +245,7 @@ def splash(q, k, v, key, scale):
 def splash_backward(grad, q, k, v, key, scale):
     """(dq, dk, dv) of `splash`'s output: the `jax.vjp` of the kernel."""
     b, hq, lq, _ = q.shape
-    kernel, _ = _splash_kernels(key, b, hq)
+    kernel, _ = _splash_kernels(key, b, hq, runtime.program_platform())
 
     def forward(q, k, v):
         return _splash_call(kernel, q, k, v, scale).reshape(b, hq, lq, v.shape[-1])

@@ -12,7 +12,9 @@ argument:
   attention on NVIDIA GPUs (`accelerated_attention.py`).
 
 `choose` picks one per call (`unsupported` says why one cannot take a call); the dispatcher
-kernel counts the choice in `torchtpu.metrics()` and lets the user override it. PyTorch's own
+kernel counts the choice in `torchtpu.metrics()` and lets the user override it.  Unless the user
+names one, the op is given "auto" and the lowering chooses for the platform its program is
+built for, so that a program compiled for a TPU target has the TPU's attention. PyTorch's own
 fused-attention op for out-of-tree devices (`_scaled_dot_product_fused_attention_overrideable`)
 keeps its lowering, the "xla" one, for code that calls it directly."""
 import contextlib
@@ -22,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from .._core import runtime
 from .._core.registry import HALF_TYPES, lowering
 from .._core.runtime import jax_precision as _precision
 from . import accelerated_attention, blockwise_attention
@@ -125,9 +128,20 @@ def _dropout_key(seed):
     return jax.random.key(seed)
 
 
+def _chosen(implementation, q, k, v, bias, dropout_p, is_causal):
+    """`implementation`, or for "auto" the one `choose` gives on the platform the program is
+    built for (forward and backward choose alike: same platform, same shapes)."""
+    if implementation != "auto":
+        return implementation
+    mask_dtype = None if bias is None else jnp.dtype(bias.dtype).name
+    return choose(runtime.program_platform(), q.shape, k.shape, v.shape,
+                  jnp.dtype(q.dtype).name, mask_dtype, dropout_p, is_causal)
+
+
 def attention_forward(q, k, v, bias, seed, dropout_p, is_causal, scale, implementation):
     """(output, log-sum-exp (*batch, Hq, Lq) float32) by `implementation`, in PyTorch's layouts.
     The accelerators' kernels give no log-sum-exp (zeros; their backward does not read it)."""
+    implementation = _chosen(implementation, q, k, v, bias, dropout_p, is_causal)
     if implementation == "blockwise":
         q5, k4, v4, b5 = _grouped(q, k, v, bias)
         key = _dropout_key(seed) if dropout_p else None
@@ -152,6 +166,7 @@ def attention_backward(grad, q, k, v, bias, seed, out, lse, dropout_p, is_causal
                        implementation, bias_grad):
     """(dq, dk, dv, dbias or None): blockwise attention's own backward, the others' the
     `jax.vjp` of their forward."""
+    implementation = _chosen(implementation, q, k, v, bias, dropout_p, is_causal)
     if implementation == "blockwise":
         q5, k4, v4, b5 = _grouped(q, k, v, bias)
         key = _dropout_key(seed) if dropout_p else None
@@ -244,6 +259,12 @@ CPU_BLOCKWISE_SCORES = 128 * 128
 # Elsewhere the dense program is kept until its score matrix would take this many bytes (a
 # memory bound, not measured for speed: no accelerator was available).
 DENSE_SCORE_BYTES = 1 << 30
+# On a TPU the dense program is kept for short sequences only: compiled for v5e by libtpu
+# (causal fwd+bwd, bf16, 16 heads, d 64: benchmarks/attention.py --target v5e:1x1), its roofline
+# is below the blockwise loops' up to L = 384 (0.023 against 0.054 ms at 128, 0.144 against
+# 0.159 at 384) and above from 512 (0.241 against 0.180; 1.25 against 0.26 ms at 1024, with
+# 64 MiB of temporaries against none).  Longer ones take the Pallas kernel, or the loops.
+TPU_DENSE_SCORES = 384 * 384
 
 
 def unsupported(implementation, platform, q_shape, k_shape, v_shape, dtype, mask_dtype,
@@ -268,15 +289,17 @@ def unsupported(implementation, platform, q_shape, k_shape, v_shape, dtype, mask
 def choose(platform, q_shape, k_shape, v_shape, dtype, mask_dtype, dropout_p, is_causal):
     """The implementation a call gets unless the user says otherwise."""
     args = (q_shape, k_shape, v_shape, dtype, mask_dtype, dropout_p, is_causal)
-    if platform == "tpu" and not unsupported("pallas_flash", platform, *args):
-        return "pallas_flash"
+    scores = q_shape[-2] * k_shape[-2]
+    dense = math.prod(q_shape[:-2]) * scores * 4 <= DENSE_SCORE_BYTES
+    if platform == "tpu":
+        if dense and scores <= TPU_DENSE_SCORES:
+            return "xla"
+        return "blockwise" if unsupported("pallas_flash", platform, *args) else "pallas_flash"
     if platform == "gpu" and not unsupported("cudnn", platform, *args):
         return "cudnn"
-    scores = q_shape[-2] * k_shape[-2]
     if platform == "cpu":
         return "blockwise" if scores >= CPU_BLOCKWISE_SCORES else "xla"
-    heads = math.prod(q_shape[:-2])
-    return "blockwise" if heads * scores * 4 > DENSE_SCORE_BYTES else "xla"
+    return "xla" if dense else "blockwise"
 
 
 # --- PyTorch's fused-attention op for out-of-tree devices ---------------------------------

@@ -40,7 +40,7 @@ def _group_sizes(offs, length):
 def grouped_mm(a, b, offs):
     """The product in float32 (float64 never reaches here): callers round it to a's dtype."""
     kw = dict(precision=_precision(), preferred_element_type=jnp.float32)
-    if runtime.platform() == "cpu":
+    if runtime.program_platform() == "cpu":
         # XLA:CPU has no bfloat16 x bfloat16 -> float32 dot (UNIMPLEMENTED in DotThunk, met by
         # the gradients' dots); float32 operands give the same products, exactly
         a, b = a.astype(jnp.float32), b.astype(jnp.float32)

@@ -251,7 +251,7 @@ def logcumsumexp(x, dim):
     dim %= x.ndim
     # PyTorch's CPU kernel accumulates float32 in float64: its backward formula subtracts two
     # such scans, so float32 accumulation shows there. TPUs have no float64.
-    if runtime.platform() != "tpu" and x.dtype in (jnp.float32, jnp.complex64):
+    if runtime.program_platform() != "tpu" and x.dtype in (jnp.float32, jnp.complex64):
         x = x.astype(jnp.complex128 if x.dtype == jnp.complex64 else jnp.float64)
     if jnp.iscomplexobj(x):
         return _complex_logcumsumexp(x, dim)
