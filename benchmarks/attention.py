@@ -15,6 +15,14 @@ executable's temporary buffers between calls, so for its programs this undercoun
 first call's are already resident). Dense programs ("xla", JAX's) need several L x L float32
 arrays per head; above --dense-max-seq they are not run (16384 would need ~40 GiB).
 Times are the range (min-max) of --repeats calls after the warm-up.
+
+    python benchmarks/attention.py --target v5e:1x1 [--seq 128,256,384,512,1024,2048]
+                                   [--dtype bfloat16 --heads 16]
+
+compiles instead each implementation's forward+backward program (torchtpu's lowering of the op,
+as a TPU would build it) and JAX's for a TPU slice with libtpu's compiler, no TPU needed
+(docs/tpu.md), and prints the compiler's bytes, roofline and HBM: what `choose` on a TPU is
+set by.  libtpu does not cost Pallas kernels (their roofline leaves the kernel out).
 """
 import argparse
 import json
@@ -81,6 +89,46 @@ def _jax_step(seq, heads, dim, dtype):
     return step
 
 
+def _target_rows(a):
+    """Each implementation's forward+backward at each length, compiled for `a.target`."""
+    import jax
+    import jax.numpy as jnp
+    from torchtpu._core import tpu_compiler
+    from torchtpu._lowerings import attention
+    impls = [i for i in a.impls.split(",") if i != "auto"] + ["jax"]
+    print(f"causal SDPA forward+backward, batch 1, {a.heads} heads, head dim {a.dim}, {a.dtype}; "
+          f"compiled for {a.target}")
+    print(f"{'L':>6s} {'program':14s} {'MB':>9s} {'roofline ms':>12s} {'HBM MiB':>9s} "
+          f"{'temp MiB':>9s} {'compile s':>9s}  {'roofline / JAX':>14s}")
+    scale = a.dim ** -0.5
+    for seq in map(int, a.seq.split(",")):
+        s = jax.ShapeDtypeStruct((1, a.heads, seq, a.dim), getattr(jnp, a.dtype))
+        reports = {}
+        for impl in impls:
+            if impl == "jax":
+                def fwd_bwd(q, k, v, g):
+                    out, vjp = jax.vjp(lambda *qkv: jax.nn.dot_product_attention(
+                        *(x.swapaxes(1, 2) for x in qkv), is_causal=True), q, k, v)
+                    return out, vjp(g.swapaxes(1, 2))
+            else:
+                def fwd_bwd(q, k, v, g, impl=impl):
+                    out, lse = attention.attention_forward(q, k, v, None, None, 0.0, True,
+                                                           scale, impl)
+                    return attention.attention_backward(g, q, k, v, None, None, out, lse, 0.0,
+                                                        True, scale, impl, False)[:3]
+            reports[impl] = tpu_compiler.compile_for(jax.jit(fwd_bwd), (s, s, s, s), a.target,
+                                                     f"{impl} L={seq}")
+        base = reports["jax"].optimal_seconds
+        for impl, r in reports.items():
+            if r.error:
+                print(f"{seq:6d} {impl:14s} {r.error}")
+                continue
+            print(f"{seq:6d} {impl:14s} {r.bytes_accessed / 1e6:9.1f} "
+                  f"{r.optimal_seconds * 1e3:12.3f} {r.hbm_bytes / 2**20:9.1f} "
+                  f"{r.temp_bytes / 2**20:9.1f} {r.compile_seconds:9.1f}  "
+                  f"{r.optimal_seconds / base:13.2f}x")
+
+
 def worker(impl, seq, heads, dim, dtype, repeats):
     if impl == "jax":
         step = _jax_step(seq, heads, dim, dtype)
@@ -109,7 +157,11 @@ def main():
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--worker")
+    ap.add_argument("--target", help="a TPU slice (v5e:1x1) to compile each program for, "
+                                     "untimed")
     a = ap.parse_args()
+    if a.target:
+        return _target_rows(a)
     if a.worker:
         return worker(a.worker, int(a.seq), a.heads, a.dim, a.dtype, a.repeats)
     print(f"causal SDPA forward+backward, batch 1, {a.heads} heads, head dim {a.dim}, {a.dtype}; "
