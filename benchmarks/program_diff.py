@@ -218,6 +218,9 @@ def measure_target(name, a):
                  str(sum(r.parameters for r in reports)), str(sum(r.x64_calls for r in reports)),
                  str(sum(r.concat_bitcasts for r in reports)))
         print("  " + " | ".join(f"{c:>12s}" for c in cells))
+        if len(reports) > 1:  # (which of a step's programs holds the bytes)
+            for r in reports:
+                print(f"      {r}")
     if a.dump:
         os.makedirs(a.dump, exist_ok=True)
         for m, reports in rows.items():
