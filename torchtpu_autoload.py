@@ -238,7 +238,8 @@ def _install_accelerate_hook():
 
 def install():
     """Registers the name `tpu` with the stand-in module, the fallback and the c10d backend,
-    and the accelerate hook."""
+    and the accelerate hook; once per process (at `import torch`, or as step 1 of
+    `import torchtpu`, torchtpu/_startup.py)."""
     if _state.library is not None:
         return
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
@@ -262,6 +263,9 @@ def _register_serialization():
 
 
 def _register_c10d_backend():
+    # The backend's only registration: `_create_process_group` loads the package when
+    # init_process_group("tpu") is the first use of the device, and calls the package's
+    # constructor (register()'s `create_process_group`) once it has loaded.
     import torch.distributed as dist
     if dist.is_available() and "TPU" not in dist.Backend._plugins:
         dist.Backend.register_backend("tpu", _create_process_group, extended_api=True,
@@ -269,10 +273,10 @@ def _register_c10d_backend():
 
 
 def register(module, fallback, tag, restore, create_process_group):
-    """Called by `import torchtpu`: the full module replaces the stand-in as `torch.tpu`, ops
-    without a tpu kernel go to `fallback`, torch.save/torch.load of tpu storages to `tag` and
-    `restore`, the "tpu" c10d backend's groups are made by `create_process_group`."""
-    install()
+    """Step 2 of `import torchtpu` (torchtpu/_startup.py), after `install()`: the full module
+    replaces the stand-in as `torch.tpu`, ops without a tpu kernel go to `fallback`,
+    torch.save/torch.load of tpu storages to `tag` and `restore`, the "tpu" c10d backend's groups
+    are made by `create_process_group`."""
     torch.tpu = sys.modules["torch.tpu"] = module
     _state.module = module
     _state.fallback = fallback

@@ -6,6 +6,7 @@ asserts, these tests check every rank passed and read the figures it printed.
 """
 import datetime
 import os
+import pathlib
 import re
 import shutil
 import socket
@@ -196,6 +197,52 @@ def test_torchrun_launches_unchanged_script(tmp_path):
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-6000:]
     assert "PASS dtensor rank 0" in text and "PASS dtensor rank 1" in text, text[-3000:]
+
+
+# --- the backend's registration -----------------------------------------------------------------
+_REGISTRATION = r"""
+import datetime, sys
+import torch
+import torch.distributed as dist
+import torchtpu_autoload
+calls = []
+register = dist.Backend.register_backend
+dist.Backend.register_backend = lambda *a, **k: (calls.append(a[0]), register(*a, **k))[1]
+if sys.argv[1] == "import":
+    import torchtpu  # noqa: F401
+dist.init_process_group("tpu", store=dist.HashStore(), rank=0, world_size=1,
+                        timeout=datetime.timedelta(seconds=30))
+t = torch.arange(4.0, device="tpu")
+dist.all_reduce(t)
+assert t.cpu().tolist() == [0.0, 1.0, 2.0, 3.0] and dist.get_backend() == "tpu"
+assert "torchtpu" in sys.modules
+assert dist.Backend._plugins["TPU"].creator_fn is torchtpu_autoload._create_process_group
+dist.destroy_process_group()
+print("registrations after import torch:", calls)
+"""
+
+
+@pytest.mark.parametrize("first", ["import", "autoload"])
+def test_the_backend_is_registered_once_whichever_comes_first(first):
+    # "import": TORCH_DEVICE_BACKEND_AUTOLOAD=0 and `import torchtpu` first, whose start-up
+    # registers it (step 1); "autoload": `import torch` registered it, init_process_group("tpu")
+    # is the first use and loads the package, which registers nothing more.
+    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0" if first == "import" else "1")
+    out = subprocess.run([sys.executable, "-c", _REGISTRATION, first], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    want = ["tpu"] if first == "import" else []
+    assert f"registrations after import torch: {want}" in out.stdout, out.stdout + out.stderr
+
+
+def test_one_place_in_the_source_registers_the_backend():
+    sources = sorted(pathlib.Path(ROOT, "torchtpu").rglob("*.py")) + [
+        pathlib.Path(ROOT, "torchtpu_autoload.py")]
+    found = [(str(p.relative_to(ROOT)), line.strip()) for p in sources
+             for line in p.read_text().splitlines()
+             if "register_backend(" in line and not line.lstrip().startswith(("#", '"'))]
+    assert found == [("torchtpu_autoload.py", 'dist.Backend.register_backend("tpu", '
+                      '_create_process_group, extended_api=True,')], found
 
 
 # --- in this process: a one-rank group ---------------------------------------------------------

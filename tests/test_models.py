@@ -186,16 +186,34 @@ def test_dataloader_pin_memory_and_non_blocking_copies():
     assert torch.randn(3).pin_memory(device="tpu").device.type == "cpu"
 
 
-def test_train_llm_main_job_trains_checkpoints_resumes_and_samples(tmp_path, capsys):
+def test_train_llm_main_job_trains_checkpoints_resumes_and_samples(tmp_path, capsys, monkeypatch):
     from torchtpu.examples import train_llm
+    shown = []  # (steps counted, postfix) at each step the progress bar counts
+
+    class Bar(train_llm.tqdm):
+        def update(self, n=1):
+            super().update(n)
+            shown.append((self.n, self.postfix))
+
+    monkeypatch.setattr(train_llm, "tqdm", Bar)
     ckpt = str(tmp_path / "llm.pt")
     small = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq", "32", "--batch-size", "4",
              "--checkpoint", ckpt, "--sample-tokens", "8", "--format", "safetensors"]
-    first = train_llm.main(["--steps", "12", *small])
+    first = train_llm.main(["--steps", "12", "--log-every", "3", *small])
     state = torch.load(ckpt)
     assert state["step"] == 12 and (tmp_path / "llm.safetensors").exists()
+    # The bar counts every step; its postfix shows the loss and speeds of the latest step read
+    # (the first, every 3rd, the last), saying which step that is.
+    assert [n for n, _ in shown] == list(range(2, 13))
+    assert [postfix.split(":")[0] for _, postfix in shown] == [
+        f"step {max(k for k in (1, 3, 6, 9, 12) if k <= n)}" for n in range(2, 13)]
+    losses = {postfix.split(",")[0].split("loss=")[1] for _, postfix in shown}
+    assert len(losses) >= 4, losses  # 5 reads, 5 losses (give or take an equal rounding)
+    assert shown[-1][1].startswith(f"step 12: loss={first:.3f}, tok/s=") and "TFLOP/s=" in shown[-1][1]
     resumed = train_llm.main(["--steps", "24", "--resume", *small])
-    out = capsys.readouterr().out
-    assert "resumed from" in out and "sample:" in out
+    captured = capsys.readouterr()
+    assert "resumed from" in captured.out and "sample:" in captured.out
+    assert "step 13: loss" in captured.out and f"final loss {resumed:.3f}" in captured.out
+    assert "24/24" in captured.err and f"step 24: loss={resumed:.3f}" in captured.err  # its last line
     assert torch.load(ckpt)["step"] == 24
     assert resumed < first < 5.6  # it learns (the untrained loss is ln 256 = 5.5)

@@ -7,37 +7,13 @@ use of the device, or here, eagerly, on `import torchtpu`.
 """
 import torch
 
-from ._frontend import torch_tpu as _module
-from ._frontend import registration as _registration
+from . import _startup
 from ._core import runtime as _runtime  # noqa: F401  (torchtpu._runtime.platform())
 from ._core.version import VERSION as __version__
 
-_registration.register_backend(_module)  # (with torchtpu_autoload's accelerate hook)
+_startup.run()  # every step of making the device work, in order (torchtpu/_startup.py)
 
-
-def _install_kernels():
-    from . import _lowerings  # noqa: F401  (fills the lowering table)
-    from ._execution import dispatch
-    from ._frontend import streams
-
-    lib = torch.library.Library("aten", "IMPL")
-    dispatch.install(lib)
-    streams.register(lib)
-    fallback_lib = torch.library.Library("_", "IMPL")  # (the PrivateUse1 fallback is torchtpu_autoload's)
-    from ._frontend import autocast, patches
-    autocast.register(lib, fallback_lib)
-    patches.install()  # every patch of a PyTorch or JAX global made at import (PATCHES)
-    from . import _distributed
-    _distributed.register()
-    return lib, fallback_lib
-
-
-if not hasattr(torch.tpu, "_torchtpu_library"):
-    torch.tpu._torchtpu_library = _install_kernels()
-
-from . import pallas, profiler  # noqa: E402,F401  (pallas needs the kernels installed)
-
-torch.tpu.pallas = pallas
+from . import pallas, profiler  # noqa: E402,F401  (imported by the start-up's last step)
 
 
 def metrics():

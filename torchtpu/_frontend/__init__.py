@@ -1,2 +1,2 @@
-"""The front door: the `torch.tpu` module, backend registration, autocast, streams,
-serialization, and the patches of PyTorch globals."""
+"""The front door: the `torch.tpu` module, autocast, streams, serialization, and the
+patches of PyTorch globals (torchtpu/_startup.py installs them)."""

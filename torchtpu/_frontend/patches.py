@@ -26,7 +26,7 @@ from .._execution import flex_attention, fused, optimizer_state, tpu_graphs, vie
 from . import current, torch_tpu
 
 CHECKED_ON = ("2.13",)
-AT_IMPORT = "patches.install(), at import"
+AT_IMPORT = "patches.install(), at import (start-up step 5, torchtpu/_startup.py)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +115,8 @@ def _flex_attention_on_tpu(original):
 _SET_DEVICE = ("PyTorch's device guard for Python backends always answers device 0, so "
                "torch.tpu.set_device(local_rank) (torchrun's layout) would be ignored")
 _DYNAMO = "the first compilation for tpu (imports Dynamo), by _compile/backend.skip_own_frames()"
-_AUTOLOAD = "torchtpu_autoload.install(), at `import torch` (or at `import torchtpu`)"
+_AUTOLOAD = ("torchtpu_autoload.install(), at `import torch` (or at `import torchtpu`: "
+             "start-up step 1, torchtpu/_startup.py)")
 _OPTIMIZER_HOOKS = ("torch.optim.optimizer._global_optimizer_pre_hooks",
                     "torch.optim.optimizer._global_optimizer_post_hooks")
 
@@ -135,8 +136,8 @@ PATCHES = [
           "use would otherwise copy into a storage the device cannot make before it loads",
           torchtpu_autoload._register_serialization, _AUTOLOAD),
     Patch(("torch.distributed.Backend._plugins",),
-          "the c10d backend \"tpu\" (init_process_group(\"tpu\") loads the device); "
-          "_distributed.register() makes the same registration if it is missing",
+          "the c10d backend \"tpu\" (init_process_group(\"tpu\") loads the device); its only "
+          "registration, whether torchtpu or the autoload comes first",
           torchtpu_autoload._register_c10d_backend, _AUTOLOAD),
     Patch(("accelerate.state.PartialState.default_device", "sys.meta_path"),
           "accelerate knows a fixed list of device types and would keep the Trainer's batches "
