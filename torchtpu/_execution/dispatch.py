@@ -5,12 +5,12 @@ Special kernels come first: dispatcher kernels whose contract a pure lowering ca
 module's `kernels()` table.  Every other op of the lowering table gets its OpKernel; an op with
 a special kernel never does, though the table may hold it (`copy_`, the in-place variant of
 `aten::copy`, also moves data between devices; masks turn boolean indices into integer ones
-before the table's `index`).
+before the table's `index`, in advanced_indexing.py).
 """
 from .._core import storage
-from . import composite, executables, growing, kernels, masks, padded, transfer, views
+from . import advanced_indexing, composite, executables, growing, kernels, padded, transfer, views
 
-SPECIAL_MODULES = (views, transfer, masks, growing, composite)
+SPECIAL_MODULES = (views, transfer, advanced_indexing, growing, composite)
 
 
 def special_kernels():
