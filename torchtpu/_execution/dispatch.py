@@ -8,9 +8,10 @@ a special kernel never does, though the table may hold it (`copy_`, the in-place
 before the table's `index`, in advanced_indexing.py).
 """
 from .._core import storage
-from . import advanced_indexing, composite, executables, growing, kernels, padded, transfer, views
+from . import (advanced_indexing, composite, executables, growing_sequences, kernels, padded,
+               transfer, views)
 
-SPECIAL_MODULES = (views, transfer, advanced_indexing, growing, composite)
+SPECIAL_MODULES = (views, transfer, advanced_indexing, growing_sequences, composite)
 
 
 def special_kernels():
