@@ -8,10 +8,10 @@ a special kernel never does, though the table may hold it (`copy_`, the in-place
 before the table's `index`, in advanced_indexing.py).
 """
 from .._core import storage
-from . import (advanced_indexing, composite, executables, growing_sequences, kernels, padded,
-               transfer, views)
+from . import (advanced_indexing, composed_kernels, executables, growing_sequences, kernels,
+               padded, transfer, views)
 
-SPECIAL_MODULES = (views, transfer, advanced_indexing, growing_sequences, composite)
+SPECIAL_MODULES = (views, transfer, advanced_indexing, growing_sequences, composed_kernels)
 
 
 def special_kernels():
@@ -27,7 +27,7 @@ def install(lib):
     special = special_kernels()
     for op, kernel in special.items():
         lib.impl(op, kernel, "PrivateUse1")
-    for op, kernel in composite.autograd_kernels().items():
+    for op, kernel in composed_kernels.autograd_kernels().items():
         lib.impl(op, kernel, "PrivateUse1")
         lib.impl(op, kernel, "AutogradPrivateUse1")
     for op, kernel in transfer.CPU_KERNELS.items():

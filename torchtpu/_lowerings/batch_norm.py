@@ -1,5 +1,5 @@
 """Batch normalisation: functional lowerings (the eager ops that update running statistics
-are in _execution/composite.py).
+are in _execution/composed_kernels.py).
 
 `native_batch_norm` (what nn.BatchNorm calls) updates `running_mean`/`running_var` in place
 although its schema does not say so, so a value-only lowering would silently leave them
