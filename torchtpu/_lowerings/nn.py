@@ -21,10 +21,6 @@ from .._core.registry import HALF_TYPES, Promote, lowering
 from .meta import dtype_name
 
 
-def _float(x):
-    return x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.float32)
-
-
 def round_to(v, dtype):
     """Float32 `v` rounded to the half-precision `dtype` (kept in float32), where a PyTorch CPU
     kernel stores an intermediate in that type. XLA may drop a `.astype(half).astype(float32)`
