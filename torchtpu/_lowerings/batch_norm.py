@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from .._core.dtypes import to_jax_dtype
-from .nn import inverse_sqrt, round_to
+from .rounding import inverse_sqrt, round_to
 from .._core.registry import HALF_TYPES, lowering
 
 aten = torch.ops.aten
