@@ -1,12 +1,7 @@
-"""Neural-network ops and their backward ops.
-
-A backward op is PyTorch's decomposition (decomposed.py picks up every op without a lowering
-here) or the jax.vjp of its forward lowering; a hand-written one says beside it what it saves,
-measured (python benchmarks/backward_lowerings.py). The formulas of threshold, leaky_relu,
-hardtanh, softmax, log_softmax, layer norm and the mse/smooth_l1/huber losses gave way to
-PyTorch's decompositions: they had no measured reason (the decompositions' first calls cost
-up to 40 ms more, their steady calls the same), and the conformance runner passes the same samples
-of the ops using them, float32 and bfloat16, gradients included (703 of 703)."""
+"""Resampling: the grid sampler (`F.grid_sample`) and upsampling (`F.interpolate`: linear,
+bilinear, bicubic and trilinear; uint8 and antialiased bilinear), as PyTorch's CPU kernels
+compute them, step by step. Both take their bicubic weights from PyTorch's cubic
+convolution (`_cubic_far`, `_cubic_near`)."""
 import functools
 import itertools
 import operator
