@@ -6,9 +6,9 @@ set to a number and to a tensor, and differentiated, every result compared with 
 
 Each pattern's shapes make a program of their own.  Printed, each in a fresh process with cold
 caches: the workload on tpu (strict eager; small index ops of new patterns run on the host,
-masks.py), on tpu compiling every pattern (TORCHTPU_INDEX_HOST_SECONDS=0), on torch's CPU, and
-the same gets, sets and scatter-adds written in JAX (eager `x[ix]` and `x.at[ix]`, which compile
-per pattern too), with the executables each built.
+advanced_indexing.py), on tpu compiling every pattern (TORCHTPU_INDEX_HOST_SECONDS=0), on
+torch's CPU, and the same gets, sets and scatter-adds written in JAX (eager `x[ix]` and
+`x.at[ix]`, which compile per pattern too), with the executables each built.
 """
 import json
 import os

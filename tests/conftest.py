@@ -44,9 +44,10 @@ _given = os.environ.get("XLA_FLAGS", "")  # (the flags it names win)
 os.environ["XLA_FLAGS"] = " ".join(
     [_given] + [f for f in SUITE_XLA_FLAGS if f.split("=")[0] not in _given]).strip()
 
-# Small index ops with ready inputs would run on the host by PyTorch's CPU kernel (masks.py),
-# whether a test's inputs are ready or not depending on timing: the suite tests the index
-# lowerings, which every step on the device runs; tests/test_index_patterns.py turns it on.
+# Small index ops with ready inputs would run on the host by PyTorch's CPU kernel
+# (advanced_indexing.py), whether a test's inputs are ready or not depending on timing: the
+# suite tests the index lowerings, which every step on the device runs;
+# tests/test_index_patterns.py turns it on.
 os.environ.setdefault("TORCHTPU_INDEX_HOST_SECONDS", "0")
 
 import pytest  # noqa: E402

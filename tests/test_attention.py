@@ -440,7 +440,7 @@ def test_flex_attention_splash_matches_the_cpu(monkeypatch, mask_mod, kv_heads, 
 def test_flex_attention_implementation_choice(monkeypatch):
     # The choice on each call's operator arguments (traced mask_mod / score_mod graphs), by
     # platform and setting; nothing runs.
-    from torchtpu._execution import flex_attention as flex
+    from torchtpu._execution import flex_attention_kernels as flex
     trace = torch.fx.symbolic_trace
     q = torch.empty(1, 2, 256, 64)
 
@@ -476,7 +476,7 @@ def test_flex_attention_with_a_score_mod_falls_back_to_dense_on_tpus(monkeypatch
     # score_mod (ALiBi's) runs the dense implementation, counted as such, with the CPU's values.
     import types
     from torch.nn.attention.flex_attention import flex_attention
-    from torchtpu._execution import flex_attention as flex
+    from torchtpu._execution import flex_attention_kernels as flex
     monkeypatch.setattr(flex, "runtime", types.SimpleNamespace(platform=lambda: "tpu"))
     (q, k, v), cases = _flex_cases()  # (its calls traced by Dynamo once, for both tests)
     score_mod, mask_mod, _, dev_score, dev_mask = cases["alibi"]

@@ -1,11 +1,12 @@
 """Small index ops whose inputs are ready run on the host, by PyTorch's CPU kernel, until their
-pattern has cost as much host time as compiling it (masks.py), in strict and debug eager;
-fused eager records them.  Values, layouts, gradients and errors equal the CPU's either way."""
+pattern has cost as much host time as compiling it (advanced_indexing.py), in strict and debug
+eager; fused eager records them.  Values, layouts, gradients and errors equal the CPU's either
+way."""
 import pytest
 import torch
 
 import torchtpu
-from torchtpu._execution import masks
+from torchtpu._execution import advanced_indexing
 from torchtpu._execution.kernels import kernel_for
 
 from conftest import assert_same
@@ -19,8 +20,8 @@ INDEX_OPS = (aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
 def host_seconds(monkeypatch):
     """Sets the host time a pattern may spend before it compiles (conftest turns it off)."""
     def set_budget(seconds):
-        monkeypatch.setattr(masks, "_HOST_SECONDS", seconds)
-        monkeypatch.setattr(masks, "_spent", {})
+        monkeypatch.setattr(advanced_indexing, "_HOST_SECONDS", seconds)
+        monkeypatch.setattr(advanced_indexing, "_spent", {})
     return set_budget
 
 

@@ -90,10 +90,10 @@ def test_greedy_generate_with_kv_cache_matches_cpu(kind):
 @pytest.mark.parametrize("cache", ["static", "dynamic"])
 def test_generate_decodes_new_lengths_with_the_executables_it_has(cache, mode):
     # generate() grows input_ids by a token per step, and the growing sequence keeps its
-    # storage's shape (growing.py).  With the static KV cache every other shape stays the same;
-    # the default (dynamic) one grows each layer's keys and values by cat along the length,
-    # which keep their arrays' shapes too, and attention over them takes the length as an
-    # argument.  Once a call has run two decode steps (the first reads the prompt's positions,
+    # storage's shape (growing_sequences.py).  With the static KV cache every other shape stays
+    # the same; the default (dynamic) one grows each layer's keys and values by cat along the
+    # length, which keep their arrays' shapes too, and attention over them takes the length as
+    # an argument.  Once a call has run two decode steps (the first reads the prompt's positions,
     # a layout of its own), lengths never seen before compile nothing: no op, and in fused
     # eager no segment (the last token's clone keeps the strides of a [1, L] view, a layout
     # of its own per length, which must not make the segment another program).

@@ -317,10 +317,11 @@ def test_ops_on_views_at_many_offsets_read_and_write_the_right_elements():
 
 
 def test_a_sequence_growing_by_appends_matches_the_cpu(monkeypatch):
-    # Appends onto an appended result write into a storage with room to spare (growing.py):
-    # values, strides, storage sizes, aliasing and gradients stay the CPU's.
-    from torchtpu._execution import growing
-    monkeypatch.setattr(growing, "_MIN_FLAT", 64)
+    # Appends onto an appended result write into a storage with room to spare
+    # (growing_sequences.py): values, strides, storage sizes, aliasing and gradients stay the
+    # CPU's.
+    from torchtpu._execution import growing_sequences
+    monkeypatch.setattr(growing_sequences, "_MIN_FLAT", 64)
     x = torch.arange(6).view(1, 6)
     d = x.to("tpu")
     kept = []
@@ -371,11 +372,12 @@ def _counting(monkeypatch, module, name):
 
 def test_appends_along_an_inner_dim_match_the_cpu(monkeypatch):
     # A dynamic KV cache: cat([past, new], dim=-2) from PyTorch's skipped empty 1-D tensor on.
-    # Without a gradient the results have room to spare (growing.py): values, strides, storage
-    # sizes and earlier results stay the CPU's, past the first capacity (64 positions).
+    # Without a gradient the results have room to spare (growing_sequences.py): values,
+    # strides, storage sizes and earlier results stay the CPU's, past the first capacity (64
+    # positions).
     from torchtpu._core import metrics
-    from torchtpu._execution import growing
-    grown = _counting(monkeypatch, growing, "_inner_append")
+    from torchtpu._execution import growing_sequences
+    grown = _counting(monkeypatch, growing_sequences, "_inner_append")
     x = torch.tensor([])
     d = x.to("tpu")
     first = torch.randn(2, 3, 5, 4)
@@ -418,13 +420,13 @@ def test_appends_along_an_inner_dim_match_the_cpu(monkeypatch):
     (2, 2, False, 3, torch.float32), (4, 1, False, 4, torch.bfloat16)])
 def test_attention_over_grown_keys_matches_the_cpu(heads, q_len, causal, dims, dtype, monkeypatch):
     # F.scaled_dot_product_attention over keys and values grown by appends reads them at
-    # their capacity, masked past their length (growing.attention): a new length is no new
-    # program.  Grouped-query (4 query heads over 2), a causal query of several positions, and
-    # 3-d inputs against the CPU's attention, in float32 and bfloat16.
+    # their capacity, masked past their length (growing_sequences.attention): a new length is
+    # no new program.  Grouped-query (4 query heads over 2), a causal query of several
+    # positions, and 3-d inputs against the CPU's attention, in float32 and bfloat16.
     import torch.nn.functional as F
     from torchtpu._core import metrics
-    from torchtpu._execution import growing
-    grown = _counting(monkeypatch, growing, "attention")
+    from torchtpu._execution import growing_sequences
+    grown = _counting(monkeypatch, growing_sequences, "attention")
     lead = (2,) if dims == 4 else ()
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     k, v = torch.randn(*lead, 2, 6, 8, dtype=dtype), torch.randn(*lead, 2, 6, 5, dtype=dtype)

@@ -51,7 +51,7 @@ class WholeStep:
         self._eager = getattr(compiled, "_orig_mod", None)
         if self._eager is None:
             self._eager = compiled._torchdynamo_orig_callable
-        self._steps = {}  # call key -> _Captured, or None: runs the Dynamo path
+        self._steps = {}  # call key -> _StepReplay, or None: runs the Dynamo path
         self._retries = {}  # call key -> eager captures that read the host, so far
 
     def __getattr__(self, name):  # the wrapped OptimizedModule's attributes
@@ -95,7 +95,7 @@ class WholeStep:
             try:
                 with tpu_graphs.graph(g, _wait=False):
                     out = fn(*args, **kwargs)
-                step = _Captured(g, flat, out)
+                step = _StepReplay(g, flat, out)
             except (RuntimeError, _Fallback) as e:
                 tries = self._retries.get(key, 0)
                 if fn is self._eager and _read_the_host(e) and tries < _MAX_RETRIES:
@@ -149,8 +149,9 @@ def _call_key(flat, spec):
     return tuple(key)
 
 
-class _Captured:
-    """One captured call: which graph inputs the arguments are, and what it returns."""
+class _StepReplay:
+    """One captured call of the whole step, for replay: its torch.tpu graph, which graph
+    inputs the arguments are, and what it returns."""
 
     def __init__(self, g, flat, out):
         self.graph = g

@@ -26,7 +26,8 @@ import torch
 # OpOverload -> Lowering, for every overload we run (variants share their functional's)
 TABLE = {}
 # Lowerings of ops this torch release does not have (e.g. aten::cholesky, gone in 2.14): the
-# op cannot be called, so its lowering is simply not registered.
+# op cannot be called, so its lowering is simply not registered.  tests/test_lowering_table.py
+# fails on any name here that is not a listed op some supported release lacks (a typo).
 ABSENT = []
 
 

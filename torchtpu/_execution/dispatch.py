@@ -5,12 +5,13 @@ Special kernels come first: dispatcher kernels whose contract a pure lowering ca
 module's `kernels()` table.  Every other op of the lowering table gets its OpKernel; an op with
 a special kernel never does, though the table may hold it (`copy_`, the in-place variant of
 `aten::copy`, also moves data between devices; masks turn boolean indices into integer ones
-before the table's `index`).
+before the table's `index`, in advanced_indexing.py).
 """
 from .._core import storage
-from . import composite, executables, growing, kernels, masks, padded, transfer, views
+from . import (advanced_indexing, composed_kernels, executables, growing_sequences, kernels,
+               padded, transfer, views)
 
-SPECIAL_MODULES = (views, transfer, masks, growing, composite)
+SPECIAL_MODULES = (views, transfer, advanced_indexing, growing_sequences, composed_kernels)
 
 
 def special_kernels():
@@ -26,7 +27,7 @@ def install(lib):
     special = special_kernels()
     for op, kernel in special.items():
         lib.impl(op, kernel, "PrivateUse1")
-    for op, kernel in composite.autograd_kernels().items():
+    for op, kernel in composed_kernels.autograd_kernels().items():
         lib.impl(op, kernel, "PrivateUse1")
         lib.impl(op, kernel, "AutogradPrivateUse1")
     for op, kernel in transfer.CPU_KERNELS.items():

@@ -406,8 +406,8 @@ def scalar(kind, index):
 
 @functools.lru_cache(maxsize=64)
 def capacity(n):
-    """The executable giving an array's elements, flat, in an array of n (growing.py's
-    growing sequences); the elements past the array's are never read."""
+    """The executable giving an array's elements, flat, in an array of n (the growing
+    sequences of growing_sequences.py); the elements past the array's are never read."""
     import jax.numpy as jnp
     return Executable(lambda a: jnp.pad(a.reshape(-1), (0, n - a.size)),
                       stable(("capacity", n)), "capacity")

@@ -36,7 +36,7 @@ from .._core import metrics
 from .._core.metrics import FlushReason
 from .random import next_key_parts
 from .._core import runtime
-from .._lowerings.nn import round_to
+from .._lowerings.rounding import round_to
 
 max_ops = int(os.environ.get("TORCHTPU_FUSE_MAX_OPS", "2048"))
 # Eager rounds every op's result to its dtype; XLA by default may keep a fused chain of

@@ -4,8 +4,9 @@ A loop whose every iteration has sizes no earlier one had (PyTorch's device-gene
 `delta = torch.empty(i).uniform_()`, `delta.cumsum(0).long()`, `randn(m)`, `index_put`) built
 an executable per op and iteration: ~5 programs of ~50-90 ms of XLA:CPU compile each, 20x the
 CPU's time.  Random fills already draw for a bucketed size and keep that array (op_kernel
-`_bucketed_fill`), and appends keep a power-of-two capacity (growing.py): the tensor is PyTorch's
-(its storage holds n elements) and the JAX array behind it holds n + spare, never read.
+`_bucketed_fill`), and appends keep a power-of-two capacity (growing_sequences.py): the tensor
+is PyTorch's (its storage holds n elements) and the JAX array behind it holds n + spare, never
+read.
 
 Here, ops on such tensors run at the array's size, so their programs are keyed on the bucket,
 not on n:

@@ -22,7 +22,7 @@ import torchtpu_autoload
 from .._compile import backend, cache, step
 from .._core import runtime, storage
 from .._distributed import launch
-from .._execution import flex_attention, fused, optimizer_state, tpu_graphs, views
+from .._execution import flex_attention_kernels, fused, optimizer_state, tpu_graphs, views
 from . import current, torch_tpu
 
 CHECKED_ON = ("2.13",)
@@ -201,7 +201,7 @@ PATCHES = [
           "the flex_attention operators' kernels for tpu tensors (PrivateUse1, below "
           "autograd; eager and compiled): JAX's Pallas splash-attention kernel for the calls "
           "it takes, the operators' own dense implementation for the others "
-          "(_execution/flex_attention.py)", flex_attention.install),
+          "(_execution/flex_attention_kernels.py)", flex_attention_kernels.install),
     Patch(_OPTIMIZER_HOOKS[1:], "fused eager runs its trace when optimizer.step() returns",
           fused.install),
     Patch(_OPTIMIZER_HOOKS[:1],

@@ -1,7 +1,7 @@
 """Scaled dot-product attention: the op `torchtpu::attention` (and its backward) that
 `F.scaled_dot_product_attention` runs on tpu (through the dispatcher kernel in
-`_execution/composite.py`), in one of four implementations named by its `implementation`
-argument:
+`_execution/composed_kernels.py`), in one of four implementations named by its
+`implementation` argument:
 
 - "xla": the whole score matrix as one XLA program (`_attention`), its backward the `jax.vjp`
   of that; memory quadratic in the sequence length, fastest for short sequences on

@@ -1,5 +1,5 @@
 """Batch normalisation: functional lowerings (the eager ops that update running statistics
-are in _execution/composite.py).
+are in _execution/composed_kernels.py).
 
 `native_batch_norm` (what nn.BatchNorm calls) updates `running_mean`/`running_var` in place
 although its schema does not say so, so a value-only lowering would silently leave them
@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from .._core.dtypes import to_jax_dtype
-from .nn import inverse_sqrt, round_to
+from .rounding import inverse_sqrt, round_to
 from .._core.registry import HALF_TYPES, lowering
 
 aten = torch.ops.aten

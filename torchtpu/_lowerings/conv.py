@@ -10,7 +10,7 @@ from jax import lax
 from .._core.registry import HALF_TYPES, Promote, lowering
 from .._core.runtime import jax_precision as _precision
 from .meta import dtype_name
-from .nn import round_to
+from .rounding import round_to
 
 
 def _dims(nd):

@@ -1,7 +1,7 @@
 """FlexAttention through JAX's Pallas splash-attention kernel: the ops `torchtpu::flex_splash`
 (output and log-sum-exp) and `torchtpu::flex_splash_backward` (dq, dk, dv: the `jax.vjp` of the
-kernel) that the flex_attention operator's tpu kernels (`_execution/flex_attention.py`) call
-for a mask the kernel can take. `mask` names a mask registered with
+kernel) that the flex_attention operator's tpu kernels (`_execution/flex_attention_kernels.py`)
+call for a mask the kernel can take. `mask` names a mask registered with
 `accelerated_attention.register_splash_mask`: a digest of its contents, so a program compiled
 for it is one for that mask."""
 import torch

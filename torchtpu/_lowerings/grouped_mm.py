@@ -4,9 +4,10 @@ on the device, so neither a new routing of tokens to experts nor its values on t
 needed: one program per shape, no host wait.
 
 The op `torchtpu::grouped_mm` (and its backward, the `jax.vjp` of the forward) is what
-`aten::_grouped_mm` runs on tpu, through the dispatcher kernel in `_execution/composite.py`
-(which checks the call as the CPU's kernel does). PyTorch's meta kernel of `_grouped_mm`
-mirrors CUDA's and refuses float32, which the CPU takes; this op's fake kernel follows the CPU.
+`aten::_grouped_mm` runs on tpu, through the dispatcher kernel in
+`_execution/composed_kernels.py` (which checks the call as the CPU's kernel does). PyTorch's
+meta kernel of `_grouped_mm` mirrors CUDA's and refuses float32, which the CPU takes; this
+op's fake kernel follows the CPU.
 
 The four layouts (offs marks the ends of the groups along the dim named):
   2-D x 3-D, offs along a's rows:     (M, K) x (G, K, N) -> (M, N), rows of group g use b[g]

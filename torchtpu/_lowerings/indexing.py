@@ -526,8 +526,8 @@ def repeat_interleave(repeats, output_size=None):
 
 
 # repeat_interleave with its output size given needs no value on the host: a program of its
-# own (what `aten::repeat_interleave.Tensor` runs then, _execution/composite.py), whose checks of
-# the repeats are read at the next wait.
+# own (what `aten::repeat_interleave.Tensor` runs then, _execution/composed_kernels.py), whose
+# checks of the repeats are read at the next wait.
 _lib = torch.library.Library("torchtpu", "FRAGMENT")
 _lib.define("repeat_interleave_sized(Tensor repeats, SymInt output_size) -> Tensor")
 

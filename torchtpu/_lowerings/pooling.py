@@ -15,7 +15,7 @@ from torch._decomp import decomposition_table
 
 from .._core.registry import HALF_TYPES, lowering
 from .decomposed import make_lowering
-from .nn import round_to
+from .rounding import round_to
 
 
 def _expand(v, nd, default=None):

@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from .._core import metrics, runtime
 from .._lowerings import accelerated_attention
-from . import composite
+from . import composed_kernels
 
 IMPLEMENTATIONS = ("splash", "dense")
 # Query rows evaluated at once: the mask_mod's intermediates are int64 (Bm, Hm, rows, KV_LEN).
@@ -119,7 +119,7 @@ def _splash_unsupported(q, k, v, score_mod, block_mask, kernel_options, score_bu
 
 
 def _asked():
-    return composite.implementation_setting("flex_attention_implementation",
+    return composed_kernels.implementation_setting("flex_attention_implementation",
                                             "TORCHTPU_FLEX_ATTENTION")
 
 

@@ -14,7 +14,7 @@ from .._lowerings import attention
 from .._lowerings.batch_norm import _stats_dtype
 from .._lowerings.factories import _check_arange
 from .._lowerings.meta import _c10_name, dtype_name
-from . import fused, growing
+from . import fused, growing_sequences
 from .overlap import _INTERNAL, _internal_overlap
 from .kernels import kernel_for
 
@@ -358,7 +358,7 @@ def _scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_cau
                                   scale=None, enable_gqa=False):
     if _fused_attention_covers(q, k, v, attn_mask, enable_gqa):
         if not dropout_p:
-            grown = growing.attention(q, k, v, attn_mask, is_causal, scale)
+            grown = growing_sequences.attention(q, k, v, attn_mask, is_causal, scale)
             if grown is not None:
                 metrics.counters["attention::xla"] += 1
                 return grown
