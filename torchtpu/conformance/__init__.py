@@ -15,6 +15,7 @@ fallback on and counts how many it would have rescued (they still count as not i
 API:  `run_op(opinfo, ...) -> dict`,  `select_ops(filters)`,  `summarize(results)`;
 CLI:  `python -m torchtpu.conformance --help`.
 """
+import contextlib
 import dataclasses
 import math
 import signal
@@ -477,14 +478,21 @@ def _set_fallback(value):
 
 
 def run_op(op, dtypes=("float32",), *, max_samples=None, grad=True, errors=True,
-           fail_fast=False, timeout=120, fallback=False, seed=0, grad_dtypes=("float32",)):
+           fail_fast=False, timeout=120, fallback=False, seed=0, grad_dtypes=("float32",),
+           target=None):
     """Run every sample of `op` for each of `dtypes` (names); returns a JSON-able dict.
     Gradients are compared for the `grad_dtypes` among them that the op differentiates on the
-    CPU: `result["grads"][dtype]`, and `result["grad"]` is float32's."""
+    CPU: `result["grads"][dtype]`, and `result["grad"]` is float32's.  With `target` (a TPU
+    topology name, e.g. "v5e:1x1") every program the samples build is also compiled for it:
+    `result["target"][dtype]` counts them and the TPU compiler's errors, for the samples that
+    pass on the CPU (see `_TargetCount`)."""
     import torchtpu  # noqa: F401
     name = full_name(op)
     result = {"op": name, "dtypes": {}, "grad": None, "grads": {}, "errors": None, "skipped": None,
               "nondeterministic": name in NONDETERMINISTIC, "fallback": None, "seconds": 0.0}
+    if target is not None:
+        result["target"] = {}
+        result["target_name"] = target
     if name in SKIPPED:
         result["skipped"] = SKIPPED[name]
         return result
@@ -502,6 +510,7 @@ def run_op(op, dtypes=("float32",), *, max_samples=None, grad=True, errors=True,
         want_grad = (grad and dname in grad_dtypes and op.supports_autograd
                      and dtype in op.supported_backward_dtypes("cpu"))
         gentry = _new_entry() if want_grad else None
+        tcount = _TargetCount(target) if target is not None else None
         torch.manual_seed(seed)
         try:
             samples = op.sample_inputs("cpu", dtype, requires_grad=want_grad)
@@ -521,8 +530,11 @@ def run_op(op, dtypes=("float32",), *, max_samples=None, grad=True, errors=True,
                 except Exception as exc:
                     _record(entry, "error", "sample_inputs failed: " + _exc_text(exc))
                     break
-                res = run_sample(op, sample, grad=want_grad, values=values and not _random_sample(name, sample),
-                                 seed=seed + k)
+                with tcount if tcount is not None else contextlib.nullcontext():
+                    res = run_sample(op, sample, grad=want_grad,
+                                     values=values and not _random_sample(name, sample), seed=seed + k)
+                if tcount is not None:
+                    tcount.add(k, res)
             except SampleTimeout as exc:
                 res = SampleResult("timeout", message=str(exc))
                 if want_grad:
@@ -542,6 +554,8 @@ def run_op(op, dtypes=("float32",), *, max_samples=None, grad=True, errors=True,
         _finish(entry)
         if gentry is not None and gentry["samples"]:
             result["grads"][dname] = gentry
+        if tcount is not None:
+            result["target"][dname] = tcount.entry
     result["grad"] = result["grads"].get("float32")
     if errors:
         result["errors"] = _run_error_inputs(op, timeout)
@@ -549,6 +563,35 @@ def run_op(op, dtypes=("float32",), *, max_samples=None, grad=True, errors=True,
     result["seconds"] = round(time.time() - start, 2)
     assert not torch.tpu.enable_cpu_fallback
     return result
+
+
+class _TargetCount:
+    """The programs one (op, dtype)'s samples build, compiled for a TPU target as they are
+    built (`torch.tpu.compile_for`).  Only samples that pass here count: a sample failing on
+    the CPU is the CPU sweep's to report.  A program the TPU compiler aborts on kills the
+    worker; the pool then reports the op as crashed."""
+
+    def __init__(self, target):
+        from .._core import tpu_compiler
+        self._targeting = tpu_compiler.Targeting(target)
+        self.entry = {"programs": 0, "failed": 0, "errors": []}
+
+    def __enter__(self):
+        self.reports = self._targeting.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._targeting.__exit__(*exc)
+
+    def add(self, k, res):
+        reports, self.reports = self.reports, None
+        if res.forward != "pass" or res.grad not in (None, "pass"):
+            return
+        for r in reports:
+            self.entry["programs"] += 1
+            if r.error:
+                self.entry["failed"] += 1
+                self.entry["errors"].append(f"sample {k}, {r.name}: {r.error[:300]}")
 
 
 def _fallback_passes(op, sample, grad, values, seed, timeout):

@@ -6,7 +6,7 @@ import time
 
 from . import DTYPES, summarize
 from .pool import Progress, run_sweep
-from .report import format_table, format_totals, write_doc
+from .report import format_table, format_target, format_totals, write_doc
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m torchtpu.conformance",
@@ -27,6 +27,10 @@ def main(argv=None):
                    help="also re-run not-implemented samples with the CPU fallback and count them")
     p.add_argument("--timeout", type=int, default=None,
                    help="seconds per sample (default 120), or per test with --pytorch-tests (default 300)")
+    p.add_argument("--target", default=None, metavar="TOPOLOGY",
+                   help="also compile every program the passing samples build for this TPU "
+                   "topology (e.g. v5e:1x1; needs libtpu, no TPU) and report the TPU "
+                   "compiler's errors by cause")
     p.add_argument("--json", default=None, help="write the full results as JSON here")
     p.add_argument("--write-doc", default=None, help="write a markdown coverage page here")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no per-op table")
@@ -58,7 +62,7 @@ def main(argv=None):
         sys.exit(f"no OpInfo matches {args.ops!r}")
     run_kwargs = dict(dtypes=tuple(dtypes), max_samples=args.max_samples, grad=not args.no_grad,
                       errors=not args.no_errors, fail_fast=args.fail_fast, timeout=args.timeout,
-                      fallback=args.fallback,
+                      fallback=args.fallback, target=args.target,
                       grad_dtypes=tuple(d.strip() for d in args.grad_dtypes.split(",") if d.strip()))
     start = time.time()
     progress = Progress(len(names), enabled=not args.quiet)
@@ -70,6 +74,8 @@ def main(argv=None):
     if not args.quiet:
         print(format_table(results, dtypes))
     print(format_totals(totals, command))
+    if args.target:
+        print(format_target(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": command, "dtypes": dtypes, "totals": totals, "results": results},

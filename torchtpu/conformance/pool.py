@@ -89,20 +89,25 @@ def run_sweep(names, run_kwargs, jobs, progress):
                     results[name] = fut.result()
                 except cf.process.BrokenProcessPool:
                     if alone:
-                        results[name] = _crashed(name, "the worker process died running this op")
+                        results[name] = _crashed(name, "the worker process died running this op",
+                                                 run_kwargs.get("target"))
                     else:
                         retry_alone.append(name)
                         continue
                 except Exception as exc:
-                    results[name] = _crashed(name, f"{type(exc).__name__}: {exc}")
+                    results[name] = _crashed(name, f"{type(exc).__name__}: {exc}",
+                                             run_kwargs.get("target"))
                 progress.update(name, _status_word(results[name]))
     return [results[n] for n in names]
 
 
-def _crashed(name, why):
+def _crashed(name, why, target=None):
     entry = {"status": "error", "samples": 1, "passed": 0, "first_failure": why,
              "counts": {"error": 1}}
-    return {"op": name, "dtypes": {"float32": entry}, "grad": None, "grads": {}, "errors": None,
-            "skipped": None, "nondeterministic": False, "fallback": None, "seconds": 0.0}
+    result = {"op": name, "dtypes": {"float32": entry}, "grad": None, "grads": {}, "errors": None,
+              "skipped": None, "nondeterministic": False, "fallback": None, "seconds": 0.0}
+    if target is not None:  # with a target, most likely the TPU compiler aborted
+        result["target"], result["target_name"], result["crashed"] = {}, target, why
+    return result
 
 

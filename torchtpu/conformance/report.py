@@ -226,3 +226,35 @@ def write_suites_doc(path, results, command, seconds):
 
 
 __all__ = ["format_table", "format_totals", "write_doc", "DTYPES"]
+
+
+def _cause(error):
+    """An error's cause without its program and shapes: "sample 3, add: JaxRuntimeError:
+    UNIMPLEMENTED: ... s64[4,3] ..." -> "JaxRuntimeError: UNIMPLEMENTED: ... s64[] ..."."""
+    import re
+    text = error.split(": ", 1)[1] if error.startswith("sample ") else error
+    return re.sub(r"\[[\d,]*\]|\d+", "", text)[:160]
+
+
+def format_target(results):
+    """What `--target` found: the programs the passing samples built, compiled for the TPU
+    target, and the compiler's errors grouped by cause (with the ops and dtypes that hit each)."""
+    target = next((r["target_name"] for r in results if "target_name" in r), "?")
+    pairs = [(r["op"], d, e) for r in results for d, e in r.get("target", {}).items()]
+    with_programs = [p for p in pairs if p[2]["programs"]]
+    failing = [p for p in pairs if p[2]["failed"]]
+    crashed = [r["op"] for r in results if r.get("crashed")]
+    causes = {}
+    for op, d, e in failing:
+        for err in e["errors"]:
+            causes.setdefault(_cause(err), set()).add(f"{op} {_SHORT.get(d, d)}")
+    lines = [
+        f"compiled for {target}: {sum(e['programs'] for _, _, e in pairs)} programs of "
+        f"{len(with_programs)} (op, dtype) pairs whose samples pass here; "
+        f"{sum(e['failed'] for _, _, e in pairs)} programs of {len(failing)} pairs fail to "
+        f"compile; {len(crashed)} ops abort the compiler" + (f": {', '.join(crashed)}" if crashed else ""),
+    ]
+    for cause, where in sorted(causes.items(), key=lambda kv: -len(kv[1])):
+        lines.append(f"  {len(where):4} pairs: {cause}")
+        lines.append(f"        {', '.join(sorted(where)[:12])}" + (" ..." if len(where) > 12 else ""))
+    return "\n".join(lines)
