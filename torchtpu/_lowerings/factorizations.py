@@ -4,11 +4,16 @@ PyTorch conventions kept: LU pivots are 1-based int32 (LAPACK's), `info` outputs
 (XLA reports a failed factorization with NaNs or zero pivots instead of an error code: info is
 read off the factors; PyTorch's _linalg_check_errors turns it into LinAlgError), and ops that
 return factorizations for their backward (det, slogdet, solve) return PyTorch's LU layout."""
+import functools
+
+import jax
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
+import numpy as np
 import torch
 from jax import lax
 
+from .._core import runtime
 from .._core.registry import HALF_TYPES, check, lowering
 from .meta import dtype_name
 
@@ -68,11 +73,28 @@ def _lu(a):
     return lu, (piv + 1).astype(jnp.int32), perm
 
 
+def _svd(a, full_matrices=False):
+    """jnp.linalg.svd's (u, s, vh).  For a TPU program, JAX's TPU algorithm (QDWH polar
+    decomposition, then eigh) is traced here with 64-bit types off: lowered as JAX lowers it,
+    under the 64-bit mode torchtpu runs in, it multiplies the float32 factor by an int64 sign
+    matrix, and libtpu aborts the process compiling that dot (`shape.h: Check failed: buffer
+    != nullptr`; libtpu 0.0.42.1, measured with the TPU compiler here).  Its inputs and
+    outputs are 32-bit either way; float64 (emulated on TPU) keeps JAX's own path."""
+    if (runtime.program_platform() == "tpu" and a.size and a.dtype in (jnp.float32, jnp.complex64)):
+        from jax._src.tpu.linalg.svd import svd as tpu_svd  # what JAX's TPU lowering of svd calls
+        fn = functools.partial(tpu_svd, full_matrices=full_matrices, compute_uv=True)
+        for _ in range(a.ndim - 2):
+            fn = jax.vmap(fn)
+        with jax.enable_x64(False):
+            return fn(a)
+    return jnp.linalg.svd(a, full_matrices=full_matrices)
+
+
 @lowering("aten::_linalg_svd.default")
 def linalg_svd(a, full_matrices=False, compute_uv=True, driver=None):
     if not compute_uv:
         return jnp.zeros((0,), a.dtype), jnp.linalg.svd(a, compute_uv=False), jnp.zeros((0,), a.dtype)
-    u, s, vh = jnp.linalg.svd(a, full_matrices=full_matrices)
+    u, s, vh = _svd(a, full_matrices)
     return u, s, vh
 
 
@@ -259,15 +281,41 @@ def cholesky_solve_helper(b, factor, upper):
     return jsl.cho_solve((factor, not upper), b)
 
 
+def _eig_on_host(a):
+    """LAPACK's geev on the host, in a host callback.  XLA:TPU has no nonsymmetric
+    eigendecomposition (JAX: "MLIR translation rule for primitive 'eig' not found for platform
+    tpu"); PyTorch on CUDA also computes it on the host (MAGMA's geev), and a TPU program can
+    call the host as that does.  scipy's geev, in the input's precision as PyTorch's CPU kernel
+    (numpy's would compute in double: another real eigenvector's sign, as valid)."""
+    import scipy.linalg  # a dependency of jax
+    out = jnp.complex64 if a.dtype in (jnp.float32, jnp.complex64) else jnp.complex128
+
+    def geev(x):
+        x = np.asarray(x)
+        flat = x.reshape((-1,) + x.shape[-2:])
+        w = np.empty(flat.shape[:-1], out)
+        v = np.empty(flat.shape, out)
+        for i, m in enumerate(flat):
+            w[i], v[i] = scipy.linalg.eig(m, check_finite=False)
+        return w.reshape(x.shape[:-1]), v.reshape(x.shape)
+
+    shapes = (jax.ShapeDtypeStruct(a.shape[:-1], out), jax.ShapeDtypeStruct(a.shape, out))
+    return jax.pure_callback(geev, shapes, a, vmap_method="broadcast_all")
+
+
 @lowering("aten::linalg_eig.default")
 def linalg_eig(a):
     # LAPACK's geev, like PyTorch's CPU kernel (XLA implements it on CPU and GPU, not on TPU).
+    if runtime.program_platform() == "tpu":
+        return _eig_on_host(a)
     return jnp.linalg.eig(a)
 
 
 @lowering("aten::_linalg_eigvals.default")
 def linalg_eigvals(a):
     # linalg_eigvals runs this only when no gradient is needed (else linalg_eig).
+    if runtime.program_platform() == "tpu":
+        return _eig_on_host(a)[0]
     return jnp.linalg.eigvals(a)
 
 
@@ -312,7 +360,7 @@ def linalg_lstsq(a, b, rcond=None, driver=None):
     batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     a = jnp.broadcast_to(a, batch + (m, n))
     b = jnp.broadcast_to(b, batch + (m, b.shape[-1]))
-    u, s, vh = jnp.linalg.svd(a, full_matrices=False)
+    u, s, vh = _svd(a)
     if rcond is None or rcond < 0:
         rcond = jnp.finfo(a.dtype).eps * max(m, n)
     keep = s > rcond * s[..., :1]
