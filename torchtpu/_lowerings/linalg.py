@@ -1,10 +1,13 @@
 """Matrix products; float32 precision follows torch.get_float32_matmul_precision()."""
+import math
+
 import jax.numpy as jnp
 import torch
 from jax import lax
 
 from .._core.registry import HALF_TYPES, Promote, lowering
 from .._core.runtime import jax_precision as _precision
+from .._core.runtime import program_platform
 from .meta import dtype_name
 
 
@@ -17,10 +20,55 @@ def _same_dtypes(*tensors):
 
 
 def _matmul(a, b):
+    if a.dtype in _WIDE_INTEGERS and program_platform() == "tpu":
+        return _wide_integer_matmul(a, b)
     # Half-precision products accumulate in float32 and stay float32 until the op's result is
     # rounded once, as in PyTorch's CPU kernels (and at no cost to the MXU's bf16 inputs).
     acc = jnp.float32 if a.dtype in HALF_TYPES else None
     return jnp.matmul(a, b, precision=_precision(), preferred_element_type=acc)
+
+
+_WIDE_INTEGERS = (jnp.int64, jnp.uint64)
+_WIDE_PRODUCT_ELEMENTS = 1 << 22  # the most elements of a's rows times b's columns at once
+
+
+def _wide_integer_matmul(a, b):
+    """jnp.matmul of 64-bit integers without a dot: XLA:TPU has no 64-bit integer dot (the
+    compile fails, UNIMPLEMENTED), while its elementwise 64-bit arithmetic is emulated.  So
+    the product is summed from elementwise products, wrapping modulo 2**64 as PyTorch's CPU
+    kernel does; K is taken in chunks that keep each step's products within
+    _WIDE_PRODUCT_ELEMENTS."""
+    a2 = a[None, :] if a.ndim == 1 else a
+    b2 = b[:, None] if b.ndim == 1 else b
+    batch = jnp.broadcast_shapes(a2.shape[:-2], b2.shape[:-2])
+    a2 = jnp.broadcast_to(a2, batch + a2.shape[-2:])
+    b2 = jnp.broadcast_to(b2, batch + b2.shape[-2:])
+    (m, k), n = a2.shape[-2:], b2.shape[-1]
+    per_k = max(1, math.prod(batch) * m * n)
+    chunk = max(1, min(k, _WIDE_PRODUCT_ELEMENTS // per_k))
+
+    def partial_product(lo, size):
+        x = lax.slice_in_dim(a2, lo, lo + size, axis=-1)
+        y = lax.slice_in_dim(b2, lo, lo + size, axis=-2)
+        return jnp.sum(x[..., :, :, None] * y[..., None, :, :], axis=-2, dtype=a.dtype)
+
+    whole, rest = divmod(k, chunk)
+    out = jnp.zeros(batch + (m, n), a.dtype)
+    if whole == 1:
+        out = partial_product(0, chunk)
+    elif whole:
+        def step(i, acc):
+            x = lax.dynamic_slice_in_dim(a2, i * chunk, chunk, axis=-1)
+            y = lax.dynamic_slice_in_dim(b2, i * chunk, chunk, axis=-2)
+            return acc + jnp.sum(x[..., :, :, None] * y[..., None, :, :], axis=-2, dtype=a.dtype)
+        out = lax.fori_loop(0, whole, step, out)
+    if rest:
+        out = out + partial_product(whole * chunk, rest)
+    if b.ndim == 1:
+        out = out[..., 0]
+    if a.ndim == 1:
+        out = out[..., 0, :] if b.ndim != 1 else out[..., 0]
+    return out
 
 
 def _scaled_sum(bias, product, beta, alpha):
@@ -74,11 +122,13 @@ def mv(a, v):
 
 @lowering("aten::dot.default", promote=Promote.RESULT, precision=True, validate=_same_dtypes)
 def dot(a, b):
-    return jnp.dot(a, b, precision=_precision())
+    return _matmul(a, b) if a.dtype in _WIDE_INTEGERS else jnp.dot(a, b, precision=_precision())
 
 
 @lowering("aten::vdot.default", promote=Promote.RESULT, precision=True, validate=_same_dtypes)
 def vdot(a, b):
+    if a.dtype in _WIDE_INTEGERS:
+        return _matmul(a, b)
     return jnp.dot(jnp.conj(a), b, precision=_precision())  # the first argument conjugated
 
 
