@@ -29,6 +29,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import itertools
 import os
 import re
 import threading
@@ -133,12 +134,15 @@ def target_args(args, devices):
             NamedSharding(_target_sharding(meshed, devices).mesh, PartitionSpec()))
 
     def move(x):
+        if isinstance(x, complex):  # as a TPU is given a Python complex (op_keys.narrow_complex)
+            return jax.ShapeDtypeStruct((), jax.numpy.complex64, weak_type=True, sharding=host)
         if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
             weak = x.aval.weak_type if isinstance(x, jax.Array) else x.weak_type
             return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=weak,
                                         sharding=_target_sharding(getattr(x, "sharding", None), devices))
-        if hasattr(x, "shape") and hasattr(x, "dtype"):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host)
+        if hasattr(x, "shape") and hasattr(x, "dtype"):  # packed numbers (fused.pack_scalars)
+            dtype = jax.numpy.complex64 if x.dtype == _COMPLEX128 else x.dtype
+            return jax.ShapeDtypeStruct(x.shape, dtype, sharding=host)
         return x
     return jax.tree_util.tree_map(move, args)
 
@@ -205,7 +209,9 @@ def compile_for(jitted, args, target, name="program"):
         # (stderr is not hidden here: were libtpu to abort on a program, its last words are
         # the only account of why)
         with _building_for("tpu"):
-            compiled = jitted.trace(*target_args(args, devices)).lower().compile()
+            traced = jitted.trace(*target_args(args, devices))
+            check_compilable(traced.jaxpr, name)
+            compiled = traced.lower().compile()
     except Exception as e:  # noqa: BLE001 - libtpu's error, reported with the program's name
         report.compile_seconds = time.perf_counter() - start
         report.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:500]}"
@@ -213,6 +219,34 @@ def compile_for(jitted, args, target, name="program"):
     report.compile_seconds = time.perf_counter() - start
     read(compiled, report)
     return report
+
+
+def _jaxprs(jaxpr):
+    """`jaxpr` (a Jaxpr or ClosedJaxpr) and every jaxpr nested in its equations' parameters."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    yield jaxpr
+    for eqn in jaxpr.eqns:
+        for value in eqn.params.values():
+            for v in value if isinstance(value, (tuple, list)) else (value,):
+                if hasattr(v, "eqns") or hasattr(getattr(v, "jaxpr", None), "eqns"):
+                    yield from _jaxprs(v)
+
+
+def check_compilable(jaxpr, name):
+    """Raise TypeError where a program has what XLA:TPU cannot compile and libtpu would abort
+    the process on instead of refusing: a complex128 value (there is no 128-bit complex type
+    on TPU; libtpu 0.0.42.1 stops at "Unsupported CVT X{64|128} expansion" in any conversion
+    to or from one).  The error comes before the compiler sees the program, as MPS refuses
+    float64."""
+    for j in _jaxprs(jaxpr):
+        for v in itertools.chain(j.invars, j.constvars,
+                                 (o for eqn in j.eqns for o in eqn.outvars)):
+            if getattr(getattr(v, "aval", None), "dtype", None) == _COMPLEX128:
+                raise TypeError(f"{name}: complex128 is not supported on TPU (XLA:TPU has no "
+                                f"128-bit complex type). Please use complex64 instead.")
+
+
+_COMPLEX128 = jax.numpy.dtype("complex128")
 
 
 @contextlib.contextmanager

@@ -285,6 +285,8 @@ class Executable:
         return compiled
 
     def _compile(self, traced, sig, entry_key):
+        if runtime.platform() == "tpu":  # what libtpu would abort on is refused first
+            tpu_compiler.check_compilable(traced.jaxpr, self.name)
         t0 = time.perf_counter()
         lowered = traced.lower()
         t1 = time.perf_counter()

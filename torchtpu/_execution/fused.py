@@ -443,7 +443,17 @@ def pack_scalars(scalars, types):
     other = []
     for v, t in zip(scalars, types):
         (groups[t] if t in groups else other).append(v)
-    return [np.array(groups[t], dtype) for t, dtype in PACKED.items()], other
+    packed = PACKED if runtime.platform() != "tpu" else _PACKED_FOR_TPU
+    return [np.array(groups[t], dtype) for t, dtype in packed.items()], other
+
+
+# XLA:TPU has no complex128 (op_keys.narrow_complex)
+_PACKED_FOR_TPU = {**PACKED, complex: np.complex64}
+
+
+def _packed_type(t):
+    """The type of a number baked into the program being traced."""
+    return (_PACKED_FOR_TPU if runtime.program_platform() == "tpu" else PACKED)[t]
 
 
 def _unpack_scalars(packed, types):
@@ -855,7 +865,7 @@ def _with_constants(scalars, scalar_types, constants, signature):
         if v is None:
             continue
         scalars[i] = int(v) if i in offsets else (
-            np.asarray(v, np.bool_) if t is bool else _as_weak(np.asarray(v, PACKED[t])))
+            np.asarray(v, np.bool_) if t is bool else _as_weak(np.asarray(v, _packed_type(t))))
     return scalars
 
 

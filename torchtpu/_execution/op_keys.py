@@ -9,6 +9,7 @@ loop over x[i] runs one executable; nor is the stride of a size-1 dim, which add
 element (`exact` keeps those for the output layouts that follow them: op_programs.variant).
 Strict eager computes a key on every call: this is its hot path, written for it.
 """
+import numpy as np
 import torch
 
 from .._core import runtime
@@ -278,7 +279,16 @@ _scalar_kinds = set()  # (type, device) of the numbers seen: their executable is
 _INT64 = (-(1 << 63), 1 << 63)
 
 
+def narrow_complex(v):
+    """A Python complex as a TPU program is given it: complex64, weakly typed.  Under JAX's
+    64-bit mode it would be complex128, which XLA:TPU has no type for (the compiler aborts)."""
+    from .fused import _as_weak
+    return _as_weak(np.complex64(v))
+
+
 def device_scalar(v, device):
+    if type(v) is complex:
+        return narrow_complex(v) if runtime.platform() == "tpu" else v
     key = (type(v), v, device)
     cached = _scalar_cache.get(key)
     if cached is not None:
