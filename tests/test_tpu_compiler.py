@@ -6,6 +6,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 
@@ -231,3 +232,97 @@ def test_builds_on_other_threads_are_compiled_for_the_target_too():
         t.join()
     names = " ".join(r.name for r in reports)
     assert "tanh" in names and not any(r.error for r in reports), reports.table()
+
+
+_ABORTS_AND_REFUSALS = r'''
+import torch, torchtpu
+cases = {
+    # libtpu aborted the process on these (SVD's int64 sign matrix in a float32 dot; a
+    # complex128 number in a complex64 op), and refused these (XLA:TPU has no nonsymmetric
+    # eigendecomposition, no 64-bit integer dot)
+    "svd": lambda: torch.linalg.svd(torch.randn(5, 3, device="tpu")),
+    "pinv": lambda: torch.linalg.pinv(torch.randn(2, 5, 3, device="tpu")),
+    "mul_complex_number": lambda: torch.randn(3, device="tpu", dtype=torch.complex64) * (1 + 2j),
+    "full_complex": lambda: torch.full((3,), 1 + 2j, device="tpu", dtype=torch.complex64),
+    "eig": lambda: torch.linalg.eig(torch.randn(4, 4, device="tpu")),
+    "eigvals": lambda: torch.linalg.eigvals(torch.randn(4, 4, device="tpu")),
+    "mm_int64": lambda: torch.randint(-9, 9, (4, 3), device="tpu") @ torch.randint(-9, 9, (3, 2), device="tpu"),
+    "mv_int64": lambda: torch.mv(torch.randint(-9, 9, (4, 3), device="tpu"), torch.randint(-9, 9, (3,), device="tpu")),
+    "dot_int64": lambda: torch.dot(torch.randint(-9, 9, (5,), device="tpu"), torch.randint(-9, 9, (5,), device="tpu")),
+}
+for name, fn in cases.items():
+    with torch.tpu.compile_for("v5e:1x1") as reports:
+        fn()
+        torch.tpu.synchronize()
+    errors = [r.error for r in reports if r.error]
+    print(name, len(reports), errors, flush=True)
+'''
+
+
+def test_ops_libtpu_aborted_or_refused_on_compile_for_v5e_now():
+    # In a child process: were libtpu to abort again, this test fails instead of the suite.
+    env = dict(os.environ, TORCHTPU_CACHE_DIR="", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    run = subprocess.run([sys.executable, "-c", _ABORTS_AND_REFUSALS], capture_output=True,
+                         text=True, env=env, timeout=600)
+    lines = [line for line in run.stdout.splitlines() if line]
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(lines) == 9, run.stdout
+    for line in lines:
+        name, n, errors = line.split(" ", 2)
+        assert int(n) > 0 and errors == "[]", line
+
+
+def test_complex128_is_refused_for_a_tpu_with_type_error_before_the_compiler_sees_it():
+    x = torch.randn(3, device="tpu", dtype=torch.complex128)
+    torchtpu.clear_caches()
+    with torch.tpu.compile_for("v5e:1x1") as reports:
+        y = x * 2
+    torch.testing.assert_close(y.cpu(), x.cpu() * 2)  # the CPU's program is unchanged
+    (r,) = [r for r in reports if "mul" in r.name]
+    assert r.error.startswith("TypeError: aten.mul.Tensor: complex128 is not supported on TPU")
+    assert "complex64" in r.error
+    with pytest.raises(TypeError, match="complex128 is not supported on TPU"):
+        tpu_compiler.check_compilable(jax.make_jaxpr(lambda a: jnp.cos(a).real)(
+            jnp.zeros(2, jnp.complex128)), "cos")
+    tpu_compiler.check_compilable(jax.make_jaxpr(jnp.cos)(jnp.zeros(2, jnp.complex64)), "cos")
+
+
+def test_the_tpus_routes_give_the_cpus_answers():
+    # What a TPU program computes instead of what XLA:TPU lacks, run here on the CPU.
+    from torchtpu._lowerings import factorizations, linalg
+    g = torch.Generator().manual_seed(0)
+    for limit in (1 << 22, 7, 1):  # one product, or K in chunks (a loop, and a remainder)
+        linalg_limit = linalg._WIDE_PRODUCT_ELEMENTS
+        linalg._WIDE_PRODUCT_ELEMENTS = limit
+        try:
+            for sa, sb in [((5,), (5,)), ((3, 5), (5,)), ((5,), (5, 4)), ((3, 9), (9, 2)),
+                           ((2, 3, 5), (5, 4)), ((2, 1, 3, 5), (4, 5, 2)), ((3, 0), (0, 4))]:
+                a = torch.randint(-2**62, 2**62, sa, generator=g)
+                b = torch.randint(-2**62, 2**62, sb, generator=g)
+                got = linalg._wide_integer_matmul(jnp.asarray(a.numpy()), jnp.asarray(b.numpy()))
+                assert torch.equal(torch.from_numpy(np.array(got)), torch.matmul(a, b)), (sa, sb)
+        finally:
+            linalg._WIDE_PRODUCT_ELEMENTS = linalg_limit
+    a = torch.randn(3, 5, 5, generator=g)
+    with tpu_compiler._building_for("tpu"):
+        w, v = jax.jit(factorizations.linalg_eig)(jnp.asarray(a.numpy()))
+        u, s, vh = jax.jit(factorizations.linalg_svd)(jnp.asarray(a[:, :, :3].numpy()))
+    w, v = torch.from_numpy(np.array(w)), torch.from_numpy(np.array(v))
+    assert w.dtype == v.dtype == torch.complex64
+    torch.testing.assert_close(w, torch.linalg.eigvals(a))
+    torch.testing.assert_close(a.to(torch.complex64) @ v, v * w[:, None, :], atol=1e-5, rtol=1e-5)
+    u, s, vh = (torch.from_numpy(np.array(t)) for t in (u, s, vh))
+    assert u.shape == (3, 5, 3) and s.shape == (3, 3) and vh.shape == (3, 3, 3)
+    torch.testing.assert_close(s, torch.linalg.svdvals(a[:, :, :3]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(u * s[:, None, :] @ vh, a[:, :, :3], atol=1e-5, rtol=1e-5)
+
+
+def test_the_opinfo_sweep_compiles_its_programs_for_a_target():
+    from torchtpu.conformance import report, run_op, select_ops
+    (op,) = [o for o in select_ops(["mm"]) if o.name == "mm"]
+    result = run_op(op, ("float32", "int64"), max_samples=1, errors=False, target="v5e:1x1")
+    for dtype in ("float32", "int64"):
+        assert result["dtypes"][dtype]["status"] == "pass"
+        assert result["target"][dtype]["programs"] > 0 and result["target"][dtype]["failed"] == 0
+    text = report.format_target([result])
+    assert text.startswith("compiled for v5e:1x1:") and "0 programs of 0 pairs fail to compile" in text
