@@ -96,13 +96,15 @@ def _target_rows(a):
     from torchtpu._core import tpu_compiler
     from torchtpu._lowerings import attention
     impls = [i for i in a.impls.split(",") if i != "auto"] + ["jax"]
-    print(f"causal SDPA forward+backward, batch 1, {a.heads} heads, head dim {a.dim}, {a.dtype}; "
-          f"compiled for {a.target}")
+    kv_heads = a.kv_heads or a.heads
+    print(f"causal SDPA forward+backward, batch 1, {a.heads} heads ({kv_heads} of keys and "
+          f"values), head dim {a.dim}, {a.dtype}; compiled for {a.target}")
     print(f"{'L':>6s} {'program':14s} {'MB':>9s} {'roofline ms':>12s} {'HBM MiB':>9s} "
           f"{'temp MiB':>9s} {'compile s':>9s}  {'roofline / JAX':>14s}")
     scale = a.dim ** -0.5
     for seq in map(int, a.seq.split(",")):
         s = jax.ShapeDtypeStruct((1, a.heads, seq, a.dim), getattr(jnp, a.dtype))
+        kv = jax.ShapeDtypeStruct((1, kv_heads, seq, a.dim), getattr(jnp, a.dtype))
         reports = {}
         for impl in impls:
             if impl == "jax":
@@ -116,7 +118,7 @@ def _target_rows(a):
                                                            scale, impl)
                     return attention.attention_backward(g, q, k, v, None, None, out, lse, 0.0,
                                                         True, scale, impl, False)[:3]
-            reports[impl] = tpu_compiler.compile_for(jax.jit(fwd_bwd), (s, s, s, s), a.target,
+            reports[impl] = tpu_compiler.compile_for(jax.jit(fwd_bwd), (s, kv, kv, s), a.target,
                                                      f"{impl} L={seq}")
         base = reports["jax"].optimal_seconds
         for impl, r in reports.items():
@@ -154,6 +156,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dense-max-seq", type=int, default=8192)
     ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=None,
+                    help="heads of keys and values (grouped-query attention; --target only)")
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--worker")
