@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from .._core.dtypes import check_scalar_fits, to_jax_dtype
+from .._core.runtime import program_platform
 from .._core.registry import check, lowering
 from .meta import _c10_name, dtype_name
 
@@ -279,6 +280,9 @@ def logspace(start, end, steps, base=10.0, dtype=None, layout=None, device=None,
         dtype is not None and dtype.is_complex)
     if dtype is not None and not dtype.is_floating_point and not dtype.is_complex:
         start, end = int(start), int(end)  # the kernel converts the bounds first (truncating)
+    if complex_out and program_platform() == "tpu":  # XLA:TPU has no complex128
+        start, end = np.complex64(start), np.complex64(end)
+        return jnp.power(jnp.float32(base), jnp.linspace(start, end, steps, dtype=jnp.complex64))
     exponents = jnp.linspace(start, end, steps, dtype=jnp.complex128 if complex_out else jnp.float64)
     return jnp.power(jnp.float64(base), exponents)
 

@@ -405,7 +405,19 @@ def nan_to_num(x, nan=None, posinf=None, neginf=None):
 
 @lowering("aten::where.self", promote=Promote.NONE)
 def where(cond, x, y):
+    # A complex number beside a complex64 tensor (decompositions' `where(mask, x, 0)`) is
+    # given its dtype here, as jnp.where's weak typing would give it: passed on, it is a
+    # complex128 argument of jnp.where's inner program, which XLA:TPU has no type for.
+    x, y = _complex64_number(x, y), _complex64_number(y, x)
     return jnp.where(cond, x, y)
+
+
+def _complex64_number(v, other):
+    if getattr(other, "dtype", None) == jnp.complex64 and (
+            isinstance(v, complex) or getattr(v, "dtype", None) == jnp.complex128
+            and getattr(getattr(v, "aval", None), "weak_type", False)):
+        return jnp.asarray(v, jnp.complex64)
+    return v
 
 
 # --- dtype/identity ----------------------------------------------------------------------
