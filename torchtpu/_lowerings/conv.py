@@ -7,8 +7,10 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
+from .._core.dtypes import to_torch_dtype
 from .._core.registry import HALF_TYPES, Promote, lowering
 from .._core.runtime import jax_precision as _precision
+from .._core.runtime import program_platform
 from .meta import dtype_name
 from .rounding import round_to
 
@@ -71,7 +73,6 @@ def _cpu_uses_slow_transposed(x, w, stride, padding, dilation, output_padding, g
     """Whether PyTorch's CPU runs this transposed convolution with its im2col kernel (float16
     without oneDNN's fp16 support; bfloat16 when output_padding >= stride), which rounds
     differently from the oneDNN kernel: asked of PyTorch's own backend selection."""
-    from .._core.dtypes import to_torch_dtype
     stand_in = lambda a: torch.empty_strided(a.shape, (0,) * a.ndim, dtype=to_torch_dtype(a.dtype))
     backend = torch._C._select_conv_backend(stand_in(x), stand_in(w), None, list(stride),
                                             list(padding), list(dilation), True,
@@ -118,6 +119,12 @@ def _check_dtypes(x, w, bias, *rest):
 @lowering("aten::convolution.default", promote=Promote.RESULT, precision=True, validate=_check_dtypes)
 def convolution(x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
     nd = x.ndim - 2
+    if x.dtype in (jnp.int64, jnp.uint64) and program_platform() == "tpu":
+        # Refused before the TPU compiler fails on it (UNIMPLEMENTED), in PyTorch's words for
+        # a dtype a device's kernel lacks.
+        name = dtype_name(to_torch_dtype(x.dtype))
+        raise RuntimeError(f'"convolution" not implemented for {name!r} on TPU (XLA:TPU has no '
+                           f'64-bit integer convolution); use int32 or float32')
     if (transposed and x.dtype in HALF_TYPES and x.size and w.size
             and min(w.shape[2:], default=0) > 0):
         args = _checked(stride, padding, dilation, groups, nd) + (_expand(output_padding, nd),)
