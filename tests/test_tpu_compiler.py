@@ -249,6 +249,9 @@ cases = {
     "mm_int64": lambda: torch.randint(-9, 9, (4, 3), device="tpu") @ torch.randint(-9, 9, (3, 2), device="tpu"),
     "mv_int64": lambda: torch.mv(torch.randint(-9, 9, (4, 3), device="tpu"), torch.randint(-9, 9, (3,), device="tpu")),
     "dot_int64": lambda: torch.dot(torch.randint(-9, 9, (5,), device="tpu"), torch.randint(-9, 9, (5,), device="tpu")),
+    # complex64 ops that held a complex128 value: refused, until they were given complex64
+    "diag_embed_complex": lambda: torch.diag_embed(torch.randn(3, device="tpu", dtype=torch.complex64)),
+    "logspace_complex": lambda: torch.logspace(0, 1j, 5, device="tpu", dtype=torch.complex64),
 }
 for name, fn in cases.items():
     with torch.tpu.compile_for("v5e:1x1") as reports:
@@ -266,7 +269,7 @@ def test_ops_libtpu_aborted_or_refused_on_compile_for_v5e_now():
                          text=True, env=env, timeout=600)
     lines = [line for line in run.stdout.splitlines() if line]
     assert run.returncode == 0, run.stderr[-3000:]
-    assert len(lines) == 9, run.stdout
+    assert len(lines) == 11, run.stdout
     for line in lines:
         name, n, errors = line.split(" ", 2)
         assert int(n) > 0 and errors == "[]", line
@@ -285,6 +288,18 @@ def test_complex128_is_refused_for_a_tpu_with_type_error_before_the_compiler_see
         tpu_compiler.check_compilable(jax.make_jaxpr(lambda a: jnp.cos(a).real)(
             jnp.zeros(2, jnp.complex128)), "cos")
     tpu_compiler.check_compilable(jax.make_jaxpr(jnp.cos)(jnp.zeros(2, jnp.complex64)), "cos")
+
+
+def test_an_int64_convolution_is_refused_for_a_tpu_naming_the_op_and_dtype():
+    x = torch.randint(-5, 5, (1, 2, 5, 5), device="tpu")
+    w = torch.randint(-5, 5, (3, 2, 3, 3), device="tpu")
+    torchtpu.clear_caches()
+    with torch.tpu.compile_for("v5e:1x1") as reports:
+        y = torch.nn.functional.conv2d(x, w)
+    assert torch.equal(y.cpu(), torch.nn.functional.conv2d(x.cpu(), w.cpu()))  # the CPU's
+    (r,) = [r for r in reports if "convolution" in r.name]
+    assert r.error == ("""RuntimeError: "convolution" not implemented for 'Long' on TPU """
+                       "(XLA:TPU has no 64-bit integer convolution); use int32 or float32")
 
 
 def test_the_tpus_routes_give_the_cpus_answers():
