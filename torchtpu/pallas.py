@@ -16,6 +16,7 @@ holds the function's keyword defaults as well as the call's keywords, so `rms_no
 gives the backward its `eps=1e-6`.
 """
 import ast
+import contextlib
 import functools
 import inspect
 import itertools
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from ._core.dtypes import to_jax_dtype, to_torch_dtype
-from ._core import registry
+from ._core import registry, runtime
 
 _NAMESPACE = "torchtpu_jax"
 _library = torch.library.Library(_NAMESPACE, "FRAGMENT")
@@ -81,9 +82,14 @@ class JaxOp:
 
     # -- the lowering table entries ---------------------------------------------------------
     def _forward(self, args, static):
-        return _as_list(self.fn(*args, **_static_kwargs(static)))
+        with _traced_as_in_jax(args):
+            return _as_list(self.fn(*args, **_static_kwargs(static)))
 
     def _vjp(self, args, cotangents, static):
+        with _traced_as_in_jax(args):
+            return self._traced_vjp(args, cotangents, static)
+
+    def _traced_vjp(self, args, cotangents, static):
         kwargs = _static_kwargs(static)
         diff = [i for i, a in enumerate(args) if _is_float(a.dtype)]
         primals = [args[i] for i in diff]
@@ -106,7 +112,10 @@ class JaxOp:
 
     # -- PyTorch's side: shapes without running, and autograd --------------------------------
     def _fake_forward(self, args, static):
-        shapes = jax.eval_shape(functools.partial(self.fn, **_static_kwargs(static)), *map(_struct, args))
+        structs = list(map(_struct, args))
+        with _traced_as_in_jax(structs):
+            shapes = jax.eval_shape(functools.partial(self.fn, **_static_kwargs(static)),
+                                    *structs)
         return [torch.empty(s.shape, dtype=to_torch_dtype(s.dtype), device=args[0].device)
                 for s in _as_list(shapes)]
 
@@ -125,6 +134,30 @@ class JaxOp:
         diff_grads = iter(self.vjp_op(args, list(grads), ctx.static))
         return [next(diff_grads) if (a.is_floating_point() or a.is_complex()) else None
                 for a in args], None
+
+
+@contextlib.contextmanager
+def _traced_as_in_jax(args):
+    """Where a jax_op's function is traced: as plain JAX would, with 64-bit types off, unless
+    one of `args` is a 64-bit array (torchtpu turns them on for PyTorch's int64 and float64,
+    and with them off JAX would truncate such an input to 32 bits).  With them on, a Pallas
+    kernel's index maps return int64, which Mosaic cannot compile, and `jnp.zeros(n)` is
+    float64.  And for the platform of the program being built: in a CPU program, Pallas
+    kernels that leave `interpret` unset run in Pallas' TPU interpreter; in one for a TPU
+    (this host's, or a TPU target compiled for here: `torch.tpu.compile_for`) Mosaic compiles
+    them, and Triton for a GPU.  So a kernel written once, without `interpret=`, runs on the
+    laptop and compiles for the TPU, where one that chose by the host's platform would be
+    compiled for a TPU target as the interpreter's loops."""
+    with jax.enable_x64(any(a.dtype in _WIDE for a in args)):
+        if runtime.program_platform() != "cpu":
+            yield
+            return
+        from jax.experimental.pallas import tpu as pltpu
+        with pltpu.force_tpu_interpret_mode():
+            yield
+
+
+_WIDE = tuple(map(np.dtype, ("int64", "uint64", "float64", "complex128")))
 
 
 def _is_literal(v):
