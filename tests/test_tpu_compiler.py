@@ -352,3 +352,65 @@ def test_a_tpu_is_given_complex_numbers_as_complex64(monkeypatch):
     assert v.dtype == jnp.complex64 and v.aval.weak_type and complex(v) == 1 + 2j
     arrays, _ = fused.pack_scalars([0.5, 3, 1 - 1j], [float, int, complex])
     assert [a.dtype for a in arrays] == [np.float64, np.int64, np.bool_, np.complex64]
+
+
+def test_a_jax_op_pallas_kernel_is_compiled_by_mosaic_for_v5e_and_v6e():
+    """The example's Pallas RMSNorm leaves `interpret` unset: the CPU's program interprets it,
+    the targets' programs hold the Mosaic kernel (not the interpreter's loops), forward and
+    backward, and the values here are the CPU's."""
+    from torchtpu.examples import pallas_rmsnorm
+    x = torch.randn(16, 256, device="tpu", requires_grad=True)
+    w = torch.randn(256, device="tpu", requires_grad=True)
+    for target in ("v5e:1x1", "v6e:1x1"):
+        torchtpu.clear_caches()
+        x.grad = w.grad = None
+        with torch.tpu.compile_for(target) as reports:
+            y = pallas_rmsnorm.rms_norm(x, w, eps=1e-5)
+            y.square().sum().backward()
+        xc, wc = x.detach().cpu().requires_grad_(), w.detach().cpu().requires_grad_()
+        yc = pallas_rmsnorm.rms_norm_reference(xc, wc, 1e-5)
+        yc.square().sum().backward()
+        torch.testing.assert_close(y.cpu(), yc, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(x.grad.cpu(), xc.grad, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(w.grad.cpu(), wc.grad, atol=1e-4, rtol=1e-4)
+        assert reports and not [r.error for r in reports if r.error]
+        (fwd,) = [r for r in reports if r.name.startswith("torchtpu_jax.pallas_rms_norm")
+                  and "_vjp" not in r.name]
+        (bwd,) = [r for r in reports if "pallas_rms_norm" in r.name and "_vjp" in r.name]
+        assert fwd.text.count("tpu_custom_call") == 1 and " while(" not in fwd.text
+        assert bwd.fits and bwd.flops > 0
+
+
+def test_a_jax_op_is_traced_with_jaxs_own_types():
+    """A jax_op's function sees plain JAX: 64-bit types off (torchtpu turns them on for
+    PyTorch's int64 and float64), so its new values are float32 and int32 as in JAX, unless
+    it is given a 64-bit tensor, which JAX would otherwise truncate."""
+    @torch.tpu.pallas.jax_op
+    def shifted(x):
+        return x + jnp.arange(x.shape[-1]), jnp.zeros(x.shape)
+
+    a, b = shifted(torch.ones(3, device="tpu"))
+    assert a.dtype == b.dtype == torch.float32
+    assert a.cpu().tolist() == [1.0, 2.0, 3.0] and b.cpu().tolist() == [0.0, 0.0, 0.0]
+    big = torch.full((3,), 2**40, dtype=torch.int64, device="tpu")
+    (i, _) = shifted(big)
+    assert i.dtype == torch.int64 and i.cpu().tolist() == [2**40, 2**40 + 1, 2**40 + 2]
+
+
+def test_flex_attentions_splash_kernel_is_compiled_by_mosaic_for_v5e(monkeypatch):
+    """FlexAttention's splash kernel, grouped-query heads, forward and backward: the programs
+    compiled for v5e hold Mosaic kernels, not the interpreter the CPU runs them in."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    monkeypatch.setattr(torch.tpu, "flex_attention_implementation", "splash")
+    L = 256
+    q = torch.randn(1, 4, L, 64, device="tpu", requires_grad=True)
+    k, v = (torch.randn(1, 2, L, 64, device="tpu", requires_grad=True) for _ in range(2))
+    mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, L, L, device="tpu")
+    torchtpu.clear_caches()
+    with torch.tpu.compile_for("v5e:1x1") as reports:
+        flex_attention(q, k, v, block_mask=mask, enable_gqa=True).sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape
+    splash = [r for r in reports if "flex_splash" in r.name]
+    assert {r.name.split(".")[1] for r in splash} == {"flex_splash", "flex_splash_backward"}
+    for r in splash:
+        assert not r.error and r.text.count("tpu_custom_call") >= 1, r
