@@ -22,7 +22,8 @@ Times are the range (min-max) of --repeats calls after the warm-up.
 compiles instead each implementation's forward+backward program (torchtpu's lowering of the op,
 as a TPU would build it) and JAX's for a TPU slice with libtpu's compiler, no TPU needed
 (docs/tpu.md), and prints the compiler's bytes, roofline and HBM: what `choose` on a TPU is
-set by.  libtpu does not cost Pallas kernels (their roofline leaves the kernel out).
+set by.  `--impls flex_splash` adds FlexAttention's splash kernel with a causal block mask,
+and `--kv-heads` grouped-query heads.  libtpu does not cost Pallas kernels (their roofline leaves the kernel out).
 """
 import argparse
 import json
@@ -94,7 +95,8 @@ def _target_rows(a):
     import jax
     import jax.numpy as jnp
     from torchtpu._core import tpu_compiler
-    from torchtpu._lowerings import attention
+    import numpy as np
+    from torchtpu._lowerings import accelerated_attention, attention, flex_attention
     impls = [i for i in a.impls.split(",") if i != "auto"] + ["jax"]
     kv_heads = a.kv_heads or a.heads
     print(f"causal SDPA forward+backward, batch 1, {a.heads} heads ({kv_heads} of keys and "
@@ -112,6 +114,13 @@ def _target_rows(a):
                     out, vjp = jax.vjp(lambda *qkv: jax.nn.dot_product_attention(
                         *(x.swapaxes(1, 2) for x in qkv), is_causal=True), q, k, v)
                     return out, vjp(g.swapaxes(1, 2))
+            elif impl == "flex_splash":  # FlexAttention's splash kernel, a causal block mask
+                key = accelerated_attention.register_splash_mask(
+                    np.tril(np.ones((seq, seq), bool))[None, None])
+
+                def fwd_bwd(q, k, v, g, key=key):
+                    out, lse = flex_attention.flex_splash(q, k, v, key, scale)
+                    return out, flex_attention.flex_splash_backward(g, q, k, v, key, scale)
             else:
                 def fwd_bwd(q, k, v, g, impl=impl):
                     out, lse = attention.attention_forward(q, k, v, None, None, 0.0, True,
