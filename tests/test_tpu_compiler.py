@@ -123,9 +123,9 @@ def test_64_bit_emulation_is_counted_and_the_roofline_corrected():
 
 
 def test_a_roofline_that_leaves_out_conditional_branches_says_so():
-    """libtpu's roofline costs a conditional's first branch only (spmd programs' signature
-    check runs the step in the second): the report says so, and adds back only the -1 s calls
-    the cost model counted."""
+    """libtpu's roofline costs a conditional's first branch only (a user's `lax.cond`, or a
+    step whose work sits in a later branch): the report says so, and adds back only the -1 s
+    calls the cost model counted."""
     x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
     n = jax.ShapeDtypeStruct((1024,), jnp.int64)
 

@@ -19,9 +19,9 @@ Facts of libtpu 0.0.42 (jax 0.10.2) this relies on, measured here:
   at n seconds);
 - of a `conditional` it costs only the first branch (its -1 s calls too; measured: a fused
   FSDP2 segment's entry, first and second branch hold 8, 2 and 5 such calls, and it counted
-  10): a program whose work sits in another branch (one over a process group, behind the
-  ranks' signature check, spmd.py) reports little more than its entry's;
-  `Report.branches_costed` says so;
+  10): a program whose work sits in another branch reports little more than its entry's
+  (until 2026-12-05, every program over a process group: its step behind the ranks' check,
+  now made on the host beside it, spmd.py); `Report.branches_costed` says so;
 - compile-only devices have no memory statistics: a chip's HBM is this file's table, and a
   program that does not fit fails to compile with RESOURCE_EXHAUSTED (reported, not raised).
 """

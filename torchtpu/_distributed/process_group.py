@@ -5,9 +5,10 @@ ops), called on the tensors given, below autograd (a collective library writes m
 autograd record and no version bump).  They therefore run in every mode as ops do: in strict
 eager as a program of their own, dispatched asynchronously on the calling thread (no thread
 hand-off); in fused eager, a torch.tpu graph or a compiled graph recorded into the trace, whose
-program then holds them.  Every program holding collectives first checks that the ranks issue
-the same collectives (_execution/spmd.py); a mismatch raises a RuntimeError naming each rank's
-side at the next host wait, and leaves every tensor as it was.
+program then holds them.  Before every program holding collectives, the ranks compare its
+collectives through the group's store (_execution/spmd.py); where they differ, none of them
+runs, and a RuntimeError naming each rank's side is raised at the next host wait (or at the
+rank's next collective), every tensor left as it was.
 
 `Work` follows CUDA's stream semantics: `wait()` does not block the host (later ops read the
 collective's results through JAX's data dependence), `is_completed()` tells whether its
@@ -98,6 +99,11 @@ def _failed(mesh, error):
             f"ProcessGroupTPU: {group._broken} (did another rank exit?)") from error
 
 
+def _exchange(mesh, payload):
+    group = _by_mesh.get(mesh)
+    return None if group is None else group._compare(payload)
+
+
 def _disagreed(mesh, sides):
     group = _by_mesh.get(mesh)
     if group is not None and group._broken is None:
@@ -163,6 +169,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         self._timeout = timeout
         self._name = str(group_name)
         self._broken = None
+        self._programs = 0  # programs over this group's mesh so far (their signatures' keys)
         if not global_ranks:
             launch.refuse_if_too_late(size)  # before connecting: every rank raises alike
             launch.configure_tpu_hosts(rank, size)  # (likewise)
@@ -211,8 +218,27 @@ class ProcessGroupTPU(dist.ProcessGroup):
         return self._name
 
     # --- running collectives ------------------------------------------------------------
+    def _compare(self, payload):
+        """Every rank's `payload` (the signature of the program over this group's mesh that
+        each is about to run), in rank order, through the group's store: the host waits for
+        its peers to reach their next program, within the group's timeout."""
+        n = self._programs = self._programs + 1
+        self._store.set(f"torchtpu/program/{n}/{self._rank}", payload)
+        try:
+            payloads = self._store.multi_get([f"torchtpu/program/{n}/{r}" for r in range(self._size)])
+        except dist.DistError as e:
+            self._broken = (f"a collective timed out after {self._timeout} on rank {self._rank} "
+                            "waiting for the other ranks to reach it (another rank is gone, "
+                            "stuck, or called no collective)")
+            raise dist.DistBackendError(f"ProcessGroupTPU: {self._broken}") from e
+        if n > 1:
+            # Every peer has written its entry n, so it has read every entry n - 1.
+            self._store.delete_key(f"torchtpu/program/{n - 1}/{self._rank}")
+        return payloads
+
     def _check_usable(self):
         if self._broken is not None:
+            sync.raise_ready()  # a disagreement's own error first, where it is still to raise
             raise dist.DistBackendError(
                 f"ProcessGroupTPU: the group is unusable after an earlier failure: {self._broken}")
 
@@ -586,6 +612,7 @@ _hooks_installed = []
 def create(opts, backend_options=None):
     """The creator registered with `dist.Backend.register_backend("tpu", ..., extended_api=True)`."""
     if not _hooks_installed:
+        spmd.on_exchange(_exchange)
         spmd.on_dispatch(_dispatched)
         spmd.on_failure(_failed)
         spmd.on_mismatch(_disagreed)

@@ -578,7 +578,7 @@ class Segment:
         options = dict(traced=checks_info(self.structure[0]), compiler_options=EAGER_ROUNDING,
                        donate_argnums=(0,) if any(donate) else ())
         if self.mesh is not None:
-            # Where the ranks disagree, the ops before the first collective only (spmd.program)
+            # Where the ranks disagree, the ops before the first collective only (spmd.Program)
             ops = self.structure[0]
             first = next((i for i, (c, _, _) in enumerate(ops) if c.collective is not None), len(ops))
             until = segment_function(*self.structure, self.order(donate), stop=first)
@@ -712,7 +712,7 @@ class Segment:
         function = segment_function(*self.structure, self.order((False,) * len(ext_arrays)))
         args = ([], ext_arrays, packed_scalars)
         if self.mesh is not None:
-            return spmd.export(function, self.mesh.devices.size, self.collectives, args, platforms)
+            return spmd.export(function, self.mesh.devices.size, args, platforms)
         return jax.export.export(jax.jit(function), platforms=platforms)(
             *spmd.described(args)).mlir_module()
 
@@ -780,20 +780,16 @@ def segment_function(signature, outputs, scalar_types, guarded, constants, order
     constants of the program rather than read from `packed`.  `stop`: run the ops before op
     `stop` only, as strict eager would have before an op that raised: each storage a later op
     writes keeps the value it had then, one a later op makes is zeros, their checks pass; the
-    function then takes the whole segment's (results, checks) shapes and the verdict of the
-    ranks' check (False where it runs) first."""
+    function then takes the whole segment's (results, checks) shapes first (what a rank runs
+    where the ranks disagree on the segment's collectives: spmd.Program)."""
     if stop is not None:
-        # Per slot: the slot or external input (< 0) whose storage it overwrites, or None.
-        before = []
-        for compiled, wiring, _ in signature:
-            before.extend([None] * len(compiled.wrap_specs))
-            before.extend(wiring[j] if type(wiring[j]) is int else None for j in compiled.writes)
+        before = _overwritten(signature)
 
     def segment(donated, kept, packed):
         return run(donated, kept, packed, None)
 
-    def until(shapes, verdict, donated, kept, packed):
-        return run(donated, kept, packed, (shapes, verdict))
+    def until(shapes, donated, kept, packed):
+        return run(donated, kept, packed, shapes)
 
     def run(donated, kept, packed, shapes):
         given = list(donated) + list(kept)
@@ -814,10 +810,10 @@ def segment_function(signature, outputs, scalar_types, guarded, constants, order
         if stop is None:
             results = [slots[s] for s in outputs]
         else:
-            (wanted, checked), verdict = shapes
+            wanted, checked = shapes
             if order.back is not None:
                 wanted = [wanted[p] for p in order.back]
-            results = [_as_of(s, slots, before, ext, w, verdict) for s, w in zip(outputs, wanted)]
+            results = [_as_of(s, slots, before, ext, w) for s, w in zip(outputs, wanted)]
             checks.extend(jax.tree_util.tree_map(lambda c: jnp.ones(c.shape, c.dtype),
                                                  checked[stop:]))
         passed = all_passed(checks)
@@ -831,13 +827,19 @@ def segment_function(signature, outputs, scalar_types, guarded, constants, order
     return segment if stop is None else until
 
 
-def _as_of(slot, slots, before, ext, shape, verdict):
+def _overwritten(signature):
+    """Per slot: the slot or external input (< 0) whose storage it overwrites, or None."""
+    before = []
+    for compiled, wiring, _ in signature:
+        before.extend([None] * len(compiled.wrap_specs))
+        before.extend(wiring[j] if type(wiring[j]) is int else None for j in compiled.writes)
+    return before
+
+
+def _as_of(slot, slots, before, ext, shape):
     """The value of the storage that `slot` is a value of, as of the ops run (`slots`): the
     slot's own, or what it overwrote, back to the external input; zeros where it was made
-    later.  An input is given as a select on the `verdict` (False there), not passed through:
-    a branch that returns an input as a result whose buffer is not that input's (one not
-    donated, or donated to another result of its shape) makes XLA copy the input ahead of the
-    conditional, at every run (141 copies in a fused FSDP2 step's backward)."""
+    later."""
     while slot is not None and slot >= len(slots):
         slot = before[slot]
     zeros = jnp.zeros(shape.shape, shape.dtype)
@@ -846,7 +848,7 @@ def _as_of(slot, slots, before, ext, shape, verdict):
     value = slots[slot] if slot >= 0 else ext[-1 - slot]
     if value.shape != shape.shape or value.dtype != shape.dtype:
         return zeros
-    return jnp.where(verdict, zeros, value) if slot < 0 else value
+    return value
 
 
 def _with_constants(scalars, scalar_types, constants, signature):

@@ -10,18 +10,21 @@ rank's own values, and the `lax` collectives in it combine them (a psum adds the
 nothing assumes they are equal).  The results are the local parts of its outputs.
 
 The ranks must issue the same collectives in the same order; the compute around them may
-differ (rank-divergent code).  Every program therefore begins by all-gathering a small
-signature of its collectives (kinds, groups, dtypes, shapes).  If the ranks' signatures differ,
-every rank runs its program with the collectives skipped (they would not pair: an in-place
-collective leaves its target as it was, a new result is zeros), and the mismatch is a deferred
-check (sync.defer) raised at the next host wait, naming each rank's side.  Pairing always
-works because every program's first collective is that all-gather, of one fixed shape (checked
-on the CPU: collectives of different programs pair by order there).
+differ (rank-divergent code).  Before a program is dispatched, the ranks therefore compare a
+small signature of its collectives (kinds, groups, dtypes, shapes) on the host, through the
+group's store (the `on_exchange` hook: one write and one read of every rank's entry per
+program; the host waits for its peers to reach the same program, not for any device).  Where
+the signatures differ, no rank dispatches its program: each runs it with the collectives
+skipped instead (they would not pair: an in-place collective leaves its target as it was, a
+new result is zeros; a fused segment, only its ops before the first collective), on its own
+device, and the mismatch is a deferred check (sync.defer) raised at the next host wait, naming
+each rank's side.  The check is beside the program, not in it: the program the TPU compiler
+schedules is the step alone, with no conditional around it.
 TORCHTPU_DIST_CHECK=0 leaves it out.
 
-The distributed layer registers `on_dispatch`, `on_failure` and `on_mismatch` hooks: a host
-wait is bounded by the group's timeout while such programs are in flight, and a failure (a lost
-peer) or a disagreement breaks the group.
+The distributed layer registers `on_exchange`, `on_dispatch`, `on_failure` and `on_mismatch`
+hooks: a host wait is bounded by the group's timeout while such programs are in flight, and a
+failure (a lost peer) or a disagreement breaks the group.
 """
 import hashlib
 import os
@@ -43,9 +46,16 @@ AXIS = "ranks"
 _SHOWN = 2
 _PER = 8
 _LEN = 2 + _SHOWN * _PER
+_on_exchange = []
 _on_dispatch = []
 _on_failure = []
 _on_mismatch = []
+
+
+def on_exchange(hook):
+    """hook(mesh, payload bytes) -> every rank's payload, in the mesh's order (each rank
+    gives its own for the same program), or None where `mesh` is no group's."""
+    _on_exchange.append(hook)
 
 
 def on_dispatch(hook):
@@ -123,19 +133,27 @@ def _describe(row):
     return f"{n} collective{'s' if n != 1 else ''}" + (": " + ", ".join(parts) if parts else "")
 
 
-def _mismatch_error(what, mesh):
-    def error(values):
-        ok, rows = values
-        if bool(ok):
-            return None
-        sides = "; ".join(f"rank {r}: {_describe(row)}" for r, row in enumerate(rows))
-        for hook in _on_mismatch:
-            hook(mesh, sides)
-        return RuntimeError(
-            f"ProcessGroupTPU: ranks disagree on the collectives of {what} ({sides}); every "
-            "rank must call the same collectives in the same order with tensors of the same "
-            "shape and dtype. Nothing ran: every tensor kept its value.")
-    return error
+def _mismatch_error(what, mesh, rows):
+    """The error of ranks whose signatures (`rows`, in rank order) differ; the group is
+    broken at once (on_mismatch), so that a rank's next collective is refused rather than
+    waiting for peers that went on."""
+    sides = "; ".join(f"rank {r}: {_describe(row)}" for r, row in enumerate(rows))
+    for hook in _on_mismatch:
+        hook(mesh, sides)
+    return RuntimeError(
+        f"ProcessGroupTPU: ranks disagree on the collectives of {what} ({sides}); every "
+        "rank must call the same collectives in the same order with tensors of the same "
+        "shape and dtype. Nothing ran: every tensor kept its value.")
+
+
+def compared(mesh, sig):
+    """Every rank's signature of the program about to run over `mesh` (rows in rank order),
+    read from the group's store, or None where there is nothing to compare with."""
+    for hook in _on_exchange:
+        payloads = hook(mesh, sig.tobytes())
+        if payloads is not None:
+            return np.stack([np.frombuffer(p, np.int64) for p in payloads])
+    return None
 
 
 def _marker(inline_below):
@@ -155,7 +173,7 @@ _skip = threading.local()
 
 
 def skipping():
-    """Whether a collective lowering is traced for the branch in which the ranks disagreed:
+    """Whether a collective lowering is traced for what a rank runs where the ranks disagree:
     it then does not communicate (an in-place one leaves its target as it was, a new result
     is zeros)."""
     return getattr(_skip, "on", False)
@@ -171,47 +189,22 @@ def _without_collectives(fn):
     return skip
 
 
-def program(fn, sig, inline_below=0, skipped=None):
+def program(fn, inline_below=0):
     """The body of a program over a group's mesh: `fn(*args)` (the per-rank computation,
-    collectives over AXIS included) behind the signature check: where the ranks' signatures
-    differ, the program gives `skipped(shapes, verdict, *args)` instead (fn's results, of
-    `shapes`, as of its ops before the first collective: a fused segment's) or, without one,
-    fn with its collectives skipped (`skipping`).  Its first argument is the previous such program's
-    marker, unused but kept (see Program).  Returns fn's outputs, the check's verdict, every
-    rank's signature and a marker (see _marker)."""
+    collectives over AXIS included).  Its first argument is the previous such program's
+    marker, unused but kept (see Program).  Returns fn's outputs and a marker (see _marker)."""
     def body(after, *args):
-        marker = _marker(inline_below)
-        if sig is None:
-            return fn(*args), jnp.bool_(True), jnp.zeros((1, _LEN), jnp.int64), marker
-        rows = lax.all_gather(jnp.asarray(sig), AXIS)
-        ok = jnp.all(rows == rows[0])
-        if skipped is None:
-            out = lax.cond(ok, lambda a: fn(*a), _without_collectives(fn), args)
-        else:
-            # fn is traced once, and its branch replays the trace (lax.cond would trace it
-            # again); the other branch holds only the ops before the first collective, so the
-            # program is not twice the step for XLA to compile.
-            traced, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
-            tree = jax.tree_util.tree_structure(shapes)
-
-            def replay(a):
-                flat = jax.core.eval_jaxpr(traced.jaxpr, traced.consts, *jax.tree_util.tree_leaves(a))
-                return jax.tree_util.tree_unflatten(tree, flat)
-            out = lax.cond(ok, lambda a: replay(a[0]), lambda a: skipped(shapes, a[1], *a[0]),
-                           (args, ok))
-        return out, ok, rows, marker
+        return fn(*args), _marker(inline_below)
     return body
 
 
-def export(fn, size, collectives, args, platforms):
+def export(fn, size, args, platforms):
     """The StableHLO text of per-rank function `fn` as the program every rank of a `size`-rank
     group runs on `platforms` (e.g. ["tpu"]), lowered by jax.export without their devices:
     what XLA there would be given (its collectives inside the one program, beside the compute
     its latency-hiding scheduler can overlap them with)."""
     mesh = jax.sharding.AbstractMesh((size,), (AXIS,))
-    sig = signature(collectives) if check_enabled() else None
-    body = jax.shard_map(program(fn, sig), mesh=mesh, in_specs=P(), out_specs=P(),
-                         check_vma=False)
+    body = jax.shard_map(program(fn), mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
     after = jax.ShapeDtypeStruct((), jnp.float32)
     return jax.export.export(jax.jit(body), platforms=platforms)(
         after, *described(args)).mlir_module()
@@ -283,19 +276,19 @@ class Program:
     each other could otherwise run at once (XLA:CPU does), and gloo, pairing collectives by
     order, then paired one rank's first with another's second."""
 
-    __slots__ = ("executable", "sharding", "mesh", "what", "checked")
+    __slots__ = ("executable", "sharding", "mesh", "what", "sig", "fn", "skipped", "instead")
 
     def __init__(self, fn, mesh, collectives, key, name, what, skipped=None, **options):
         self.mesh = mesh
         self.sharding = _replicated(mesh)
         self.what = what
-        sig = signature(collectives) if check_enabled() else None
-        self.checked = sig is not None
+        self.sig = signature(collectives) if check_enabled() else None
+        self.fn, self.skipped, self.instead = fn, skipped, None
         cpu = mesh.devices.flat[0].platform == "cpu"
-        body = program(fn, sig, inline_below=1024 if cpu else 0, skipped=skipped)
+        body = program(fn, inline_below=1024 if cpu else 0)
         spmd = _over(body, mesh)
         if key is not None:
-            key = f"spmd over {[d.id for d in mesh.devices.flat]} checked {sig is not None}: {key}"
+            key = f"spmd over {[d.id for d in mesh.devices.flat]}: {key}"
         # fn's arguments come after the previous program's marker.
         options["donate_argnums"] = tuple(i + 1 for i in options.get("donate_argnums", ()))
         self.executable = executables.Executable(
@@ -340,18 +333,33 @@ class Program:
         return self.executable.eval_shape(*self._global(args))
 
     def __call__(self, *args):
+        if self.sig is not None:
+            rows = compared(self.mesh, self.sig)
+            if rows is not None and not (rows == rows[0]).all():
+                error = _mismatch_error(self.what, self.mesh, rows)
+                sync.defer((), lambda _: error)
+                return self._skipping_collectives(args)
         try:
-            out, ok, rows, marker = self.executable(*self._global(args))
+            out, marker = self.executable(*self._global(args))
         except Exception as e:
             for hook in _on_failure:
                 hook(self.mesh, e)
             raise
         out = jax.tree_util.tree_map(_local, out)
-        ok = ok.addressable_data(0)
-        if self.checked:
-            sync.defer((ok, rows.addressable_data(0)), _mismatch_error(self.what, self.mesh))
         marker = marker.addressable_data(0)
         _previous[next(iter(marker.devices()))] = marker
         for hook in _on_dispatch:
             hook(self.mesh, marker)
         return out
+
+    def _skipping_collectives(self, args):
+        """What this rank runs where the ranks disagree, on its own device: fn with its
+        collectives skipped, or `skipped` (its ops before the first collective), given fn's
+        result shapes (the program's, as over the group's mesh)."""
+        if self.instead is None:
+            if self.skipped is None:
+                self.instead = jax.jit(lambda *a: _without_collectives(self.fn)(a))
+            else:
+                shapes, _ = self.executable.eval_shape(*self._global(args))
+                self.instead = jax.jit(lambda *a: self.skipped(shapes, *a))
+        return self.instead(*args)
