@@ -590,7 +590,9 @@ class Segment:
         """The argument and result order of this donation pattern's executable (_Order)."""
         order = self.orders.get(donate)
         if order is None:
-            order = self.orders[donate] = _Order(donate, self.structure[3], len(self.structure[1]))
+            signature, outputs, _, guarded, _ = self.structure
+            order = self.orders[donate] = _Order(
+                donate, guarded + _overwrites(signature, outputs), len(outputs))
         return order
 
     def donation(self, ext_arrays, held=None):
@@ -834,6 +836,19 @@ def _overwritten(signature):
         before.extend([None] * len(compiled.wrap_specs))
         before.extend(wiring[j] if type(wiring[j]) is int else None for j in compiled.writes)
     return before
+
+
+def _overwrites(signature, outputs):
+    """(result, external input) pairs: the result is the new value of the input's storage
+    (after one or more in-place ops), so a donated input's buffer is its own (_Order)."""
+    before = _overwritten(signature)
+    pairs = []
+    for r, slot in enumerate(outputs):
+        while slot is not None and slot >= 0:
+            slot = before[slot]
+        if slot is not None:
+            pairs.append((r, -1 - slot))
+    return tuple(pairs)
 
 
 def _as_of(slot, slots, before, ext, shape):
