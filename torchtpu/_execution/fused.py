@@ -916,15 +916,10 @@ def _settle_zeros(tr):
     into what writes over them, instead of a program or host transfer each before it, which
     blocked the host behind the segments running (a Llama step's fused host time: 175 ms, 29 ms
     with them made inside); their input is then a placeholder of no elements.  A capture's
-    (a compiled graph's) are all made inside: its storages are new at every run.
-    In a fused segment that holds collectives (`tr.mesh`) they are made behind an optimization
-    barrier: plain zeros there gave FSDP2's training (fused eager) a wrong loss at its second
-    step (test_ddp_and_fsdp2_train_like_one_process[fused]); the op that went wrong is the
-    `_foreach_copy_` of the shards into the all-gather buffer (the all-gather's input is a view
-    of its output at the rank's offset, a runtime number in fused eager), an XLA:CPU program
-    not yet reduced to a case of its own.  With them made inside, FSDP2's unsharded parameters
-    and all-gather and reduce-scatter buffers are the program's temporaries, not arrays of
-    zeros read from HBM at every step (a captured 4-layer GPT step read 70 MiB of them)."""
+    (a compiled graph's) are all made inside: its storages are new at every run.  With them
+    made inside, FSDP2's unsharded parameters and all-gather and reduce-scatter buffers are the
+    program's temporaries, not arrays of zeros read from HBM at every step (a captured 4-layer
+    GPT step read 70 MiB of them)."""
     for k, (ref, zeros, readers, shape, made_as) in tr.unwritten.items():
         if ref() is not None and not tr.captured:
             dtype = np.dtype(zeros[1])
@@ -934,8 +929,6 @@ def _settle_zeros(tr):
             shape = shape or made_as
             if shape is not None and math.prod(shape) == zeros[0]:
                 zeros = (tuple(shape), zeros[1])  # made in the shape of its tensor (strided.py)
-            if tr.mesh is not None and not tr.captured:
-                zeros += ("barrier",)
             for op, position in readers:
                 program, wiring, n = tr.signature[op]
                 tr.signature[op] = (program, wiring[:position] + (zeros,) + wiring[position + 1:], n)
@@ -960,14 +953,13 @@ def _placeholder(dtype, device):
 
 def wired(wiring, slots, ext):
     """An op's inputs: an earlier op's result (slot >= 0), an external array (< 0) or zeros
-    (size or shape, dtype name, and "barrier" where made behind one: _settle_zeros)."""
+    (size or shape, and dtype name: _settle_zeros)."""
     return [(slots[w] if w >= 0 else ext[-1 - w]) if type(w) is int else _zeros(*w)
             for w in wiring]
 
 
-def _zeros(shape, dtype, barrier=None):
-    zeros = jnp.zeros(shape, dtype)
-    return zeros if barrier is None else jax.lax.optimization_barrier(zeros)
+def _zeros(shape, dtype):
+    return jnp.zeros(shape, dtype)
 
 
 def all_passed(checks):
