@@ -211,7 +211,10 @@ def compile_for(jitted, args, target, name="program"):
         with _building_for("tpu"):
             traced = jitted.trace(*target_args(args, devices))
             check_compilable(traced.jaxpr, name)
-            with _chip_kind(devices[0]):
+            # Pallas' Mosaic lowering asks JAX's default device its kind (the TPU generation's
+            # lanes and sublanes), which here is the CPU ("Unsupported TPU device kind: cpu");
+            # the program is already traced, so nothing is placed on the target's chip.
+            with jax.default_device(devices[0]):
                 lowered = traced.lower()
             compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001 - libtpu's error, reported with the program's name
@@ -221,14 +224,6 @@ def compile_for(jitted, args, target, name="program"):
     report.compile_seconds = time.perf_counter() - start
     read(compiled, report)
     return report
-
-
-def _chip_kind(device):
-    """Where a program for a target is lowered: Pallas' Mosaic lowering asks the device kind
-    (its TPU generation's lanes and sublanes) of the context's abstract mesh, else of JAX's
-    default device, which here is the CPU ("Unsupported TPU device kind: cpu"); the program
-    is already traced, so nothing is placed on the target's device."""
-    return jax.default_device(device)
 
 
 def _jaxprs(jaxpr):

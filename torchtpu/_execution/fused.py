@@ -738,20 +738,22 @@ def unshared(arrays, held=None):
 class _Order:
     """How a segment's executable takes its inputs and gives its results, for one donation
     pattern.  JAX gives a donated input's buffer to the first result of its shape and dtype,
-    in order; a result that overwrites a donated input (`guarded`: a parameter's, an optimizer
-    state's new value) must get that input's buffer, or XLA copies the input first (where a
-    gradient of a parameter's shape came first and took the parameter's buffer, it copied
-    every parameter and optimizer state: 150 copies in the small GPT's whole step).  So those
-    results come first, and their inputs first among the donated ones, in the same order.
+    in order; a result that overwrites a donated input (`overwrites`: (result, input) pairs,
+    a parameter's or an optimizer state's new value; `_overwrites`, and a graph's `guarded`)
+    must get that input's buffer, or XLA copies the input first (where a gradient of a
+    parameter's shape came first and took the parameter's buffer, it copied every parameter
+    and optimizer state: 150 copies in the small GPT's whole step; given to an unrelated
+    result, FSDP2's fused backward read a wrong gradient on XLA:CPU).  So those results come
+    first, and their inputs first among the donated ones, in the same order.
     `inputs`: per external input, its position in (donated + kept); `results`: the segment's
     results in the executable's order; `back` (None where that is the segment's order): per
     segment result, its position among the executable's."""
 
     __slots__ = ("donated", "kept", "inputs", "results", "back")
 
-    def __init__(self, donate, guarded, n_results):
+    def __init__(self, donate, overwrites, n_results):
         pairs, ahead = {}, set()
-        for r, k in guarded:  # (one result per input, one input per result)
+        for r, k in overwrites:  # (one result per input, one input per result)
             if donate[k] and k not in pairs and r not in ahead:
                 pairs[k] = r
                 ahead.add(r)

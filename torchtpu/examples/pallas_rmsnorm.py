@@ -1,8 +1,9 @@
 """A real custom kernel: RMSNorm written in Pallas, as a differentiable torch op on tpu.
 
 The forward is one Pallas kernel over blocks of rows (compiled by Mosaic for a TPU; run by
-Pallas' interpreter in a CPU program: `jax_op` chooses, so the kernel leaves `interpret` unset).  Pallas kernels have no automatic derivative, so the
-backward is given explicitly, in plain JAX.  `RMSNorm` is the nn.Module using it.
+Pallas' interpreter in a CPU program: `jax_op` chooses, so the kernel leaves `interpret`
+unset).  Pallas kernels have no automatic derivative, so the backward is given explicitly, in
+plain JAX.  `RMSNorm` is the nn.Module using it.
 """
 import functools
 import math
