@@ -355,7 +355,7 @@ def test_a_tpu_is_given_complex_numbers_as_complex64(monkeypatch):
 
 
 def test_a_jax_op_pallas_kernel_is_compiled_by_mosaic_for_v5e_and_v6e():
-    """The example's Pallas RMSNorm leaves `interpret` unset: the CPU's program interprets it,
+    """The example's Pallas RMSNorm asks the program's platform: the CPU's program interprets it,
     the targets' programs hold the Mosaic kernel (not the interpreter's loops), forward and
     backward, and the values here are the CPU's."""
     from torchtpu.examples import pallas_rmsnorm

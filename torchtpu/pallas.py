@@ -16,7 +16,6 @@ holds the function's keyword defaults as well as the call's keywords, so `rms_no
 gives the backward its `eps=1e-6`.
 """
 import ast
-import contextlib
 import functools
 import inspect
 import itertools
@@ -28,7 +27,7 @@ import numpy as np
 import torch
 
 from ._core.dtypes import to_jax_dtype, to_torch_dtype
-from ._core import registry, runtime
+from ._core import registry
 
 _NAMESPACE = "torchtpu_jax"
 _library = torch.library.Library(_NAMESPACE, "FRAGMENT")
@@ -136,25 +135,14 @@ class JaxOp:
                 for a in args], None
 
 
-@contextlib.contextmanager
 def _traced_as_in_jax(args):
     """Where a jax_op's function is traced: as plain JAX would, with 64-bit types off, unless
     one of `args` is a 64-bit array (torchtpu turns them on for PyTorch's int64 and float64,
     and with them off JAX would truncate such an input to 32 bits).  With them on, a Pallas
     kernel's index maps return int64, which Mosaic cannot compile, and `jnp.zeros(n)` is
-    float64.  And for the platform of the program being built: in a CPU program, Pallas
-    kernels that leave `interpret` unset run in Pallas' TPU interpreter; in one for a TPU
-    (this host's, or a TPU target compiled for here: `torch.tpu.compile_for`) Mosaic compiles
-    them, and Triton for a GPU.  So a kernel written once, without `interpret=`, runs on the
-    laptop and compiles for the TPU, where one that chose by the host's platform would be
-    compiled for a TPU target as the interpreter's loops."""
-    with jax.enable_x64(any(a.dtype in _WIDE for a in args)):
-        if runtime.program_platform() != "cpu":
-            yield
-            return
-        from jax.experimental.pallas import tpu as pltpu
-        with pltpu.force_tpu_interpret_mode():
-            yield
+    float64.  (Off a TPU, a Pallas kernel runs interpreted where it says `interpret=`; it is
+    not forced into Pallas' TPU interpreter here: that one's callbacks hung a CPU test run.)"""
+    return jax.enable_x64(any(a.dtype in _WIDE for a in args))
 
 
 _WIDE = tuple(map(np.dtype, ("int64", "uint64", "float64", "complex128")))

@@ -1,8 +1,8 @@
 """A real custom kernel: RMSNorm written in Pallas, as a differentiable torch op on tpu.
 
 The forward is one Pallas kernel over blocks of rows (compiled by Mosaic for a TPU; run by
-Pallas' interpreter in a CPU program: `jax_op` chooses, so the kernel leaves `interpret`
-unset).  Pallas kernels have no automatic derivative, so the backward is given explicitly, in
+Pallas' interpreter in a CPU program: `interpret=` asks the platform of the program being
+built, so a TPU target compiled for here gets the kernel).  Pallas kernels have no automatic derivative, so the backward is given explicitly, in
 plain JAX.  `RMSNorm` is the nn.Module using it.
 """
 import functools
@@ -14,6 +14,7 @@ import torch
 from jax.experimental import pallas as pl
 from torch import nn
 
+from .. import _runtime
 from ..pallas import jax_op
 
 
@@ -33,6 +34,7 @@ def _pallas_rms_norm(x, weight, eps):
         in_specs=[pl.BlockSpec((block, d), lambda i: (i, 0)), pl.BlockSpec((d,), lambda i: (0,))],
         out_specs=pl.BlockSpec((block, d), lambda i: (i, 0)),
         out_shape=jax.ShapeDtypeStruct(rows.shape, x.dtype),
+        interpret=_runtime.program_platform() == "cpu",
     )(rows, weight)
     return out.reshape(x.shape)
 
