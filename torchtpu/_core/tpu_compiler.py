@@ -36,6 +36,7 @@ import threading
 import time
 
 import jax
+import numpy as np
 
 # Per chip, by JAX's device_kind: its name in topologies and its HBM bytes (Cloud TPU's
 # published figures; compile-only devices have no memory statistics).
@@ -174,6 +175,8 @@ class Report:
     x64_calls: int = 0         # 64-bit integer emulation (X64Split*/X64Combine)
     concat_bitcasts: int = 0
     collectives: dict = dataclasses.field(default_factory=dict)  # kind -> (count, overlapped)
+    # kind -> (bytes each chip sends in a ring, of which overlapped with compute)
+    collective_bytes: dict = dataclasses.field(default_factory=dict)
     text: str = dataclasses.field(default="", repr=False)  # the TPU-scheduled HLO
 
     def as_dict(self):
@@ -303,6 +306,7 @@ def read(compiled, report):
     report.fusions = opcodes["fusion"]
     report.copies = opcodes["copy"]
     report.collectives = collectives(text)
+    report.collective_bytes = collective_bytes(text)
     return report
 
 
@@ -351,47 +355,126 @@ def _branch_computations(text):
     return reached(uncosted) - reached(costed)
 
 
+# An instruction: `%name = TYPE opcode(...)`, TYPE an array type or a tuple of them (which may
+# hold `/*index=5*/` comments and layouts such as `{0:T(1024)S(1)}`); the opcode is the first
+# lower-case word after a space that opens a parenthesis.
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?(%[\w.-]+) = (.*?)\s([a-z][\w-]*)\(")
+
+
+def instruction(line):
+    """(name, result type, opcode) of an HLO instruction's line, or None."""
+    m = _INSTRUCTION.match(line)
+    return m.groups() if m else None
+
+
 def entry_instructions(text):
     """(name, opcode) of each instruction of the entry computation, in schedule order."""
     start = text.index("\nENTRY")
     entry = text[start:text.index("\n}", start)]
-    return re.findall(r"^\s*(?:ROOT )?(%[\w.-]+) = (?:\([^=]*?\)|\S+) ([a-z][\w-]*)\(", entry, re.M)
+    return [(i[0], i[2]) for i in map(instruction, entry.splitlines()[1:]) if i is not None]
+
+
+_ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+               "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_ASYNC_HALVES = ('custom_call_target="AsyncCollectiveStart"', 'custom_call_target="AsyncCollectiveDone"')
+
+
+def _arrays(shape_text):
+    """Bytes of each array of an HLO result type ("bf16[4096,128]{...}" or a tuple of them)."""
+    found = []
+    for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", shape_text):
+        size = _ITEM_BYTES.get(dtype)
+        if size is not None:
+            found.append(size * int(np.prod([int(d) for d in dims.split(",") if d] or [1])))
+    return found
+
+
+def _group_size(line):
+    iota = re.search(r"replica_groups=\[\d+,(\d+)\]", line)
+    if iota:
+        return int(iota.group(1))
+    listed = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+    return len(listed.group(1).split(",")) if listed else 1
+
+
+def _ring_bytes(kind, phase, shape_text, n):
+    """Bytes one chip sends of a collective over `n` chips done as a ring: (n - 1) / n of
+    the whole tensor (twice for an all-reduce: a reduce-scatter and an all-gather)."""
+    arrays = _arrays(shape_text)
+    if not arrays or n < 2:
+        return 0.0
+    if kind == "all-gather":
+        whole = max(arrays) if phase == "-start" else sum(arrays)  # (start: (shard, whole))
+    elif kind == "reduce-scatter":
+        whole = sum(arrays) * n  # (its result is the shard)
+    else:
+        whole = sum(arrays)
+    return whole * (n - 1) / n * (2 if kind == "all-reduce" else 1)
+
+
+def collective_records(text):
+    """(kind, bytes each chip sends, overlaps compute) of each collective of the program.  The
+    TPU scheduler overlaps a collective with compute by fusing the two into an
+    `async_collective_fusion` computation (whose start and done halves are computations of
+    their own, ending in AsyncCollectiveStart/Done custom calls, that name the collective
+    again, as does each computation of a chain overlapping one collective: not counted twice),
+    or by an async start ... done pair in the entry computation
+    with compute scheduled between them; a collective elsewhere (a plain `all-reduce` in the
+    entry computation, or in a fusion of its own) runs alone."""
+    records = []
+    chains = set()  # the chain_ids of the async collectives counted
+    for computation, lines in _computations(text):
+        if any(half in line for line in lines if "ROOT" in line for half in _ASYNC_HALVES):
+            continue
+        overlapping = computation.startswith("%async_collective_fusion")
+        pending = {}  # an async start -> [its record's index, whether compute ran since]
+        for line in lines:
+            found = instruction(line)
+            if found is None:
+                continue
+            name, shape, opcode = found
+            kind = opcode.removesuffix("-start").removesuffix("-done")
+            if kind not in _COLLECTIVES:
+                if opcode in ("fusion", "convolution", "dot", "custom-call"):
+                    for k in pending:
+                        pending[k][1] = True
+                continue
+            phase = opcode[len(kind):]
+            if phase == "-done":
+                started = re.search(r"-done\((%[\w.-]+)", line)
+                index, overlapped = pending.pop(started.group(1), (None, False)) if started else (None, False)
+                if index is not None and overlapped:
+                    records[index] = records[index][:2] + (True,)
+                continue
+            if overlapping:
+                # One collective may overlap a chain of several computations, each naming it.
+                chain = re.search(r'chain_id="(\d+)"', line)
+                if chain is not None:
+                    if chain.group(1) in chains:
+                        continue
+                    chains.add(chain.group(1))
+            records.append((kind, _ring_bytes(kind, phase, shape, _group_size(line)), overlapping))
+            if phase == "-start":
+                pending[name] = [len(records) - 1, False]
+    return records
 
 
 def collectives(text):
-    """{kind: (how many, how many overlap compute)} of the program's collectives.  The TPU
-    scheduler overlaps a collective with compute by fusing them into an
-    `async_collective_fusion` computation, or by an async start ... done pair with compute
-    scheduled between them; a collective elsewhere (a plain `all-reduce` in the entry
-    computation, or in a fusion of its own) runs alone."""
+    """{kind: (how many, how many overlap compute)} of the program's collectives
+    (collective_records)."""
     found = collections.defaultdict(lambda: [0, 0])
-    computation = ""
-    pending = {}  # an entry-level start -> whether compute was scheduled since it
-    for line in text.splitlines():
-        header = re.match(r"^(?:ENTRY )?(%[\w.-]+) ", line)
-        if header and line.rstrip().endswith("{"):
-            computation = header.group(1)
-            continue
-        m = re.search(r"= (?:\([^=]*?\)|\S+) (" + "|".join(_COLLECTIVES) + r")(-start|-done)?\(", line)
-        op = re.search(r"= (?:\([^=]*?\)|\S+) ([a-z][\w-]*)\(", line)
-        if m is None:
-            if op is not None and op.group(1) in ("fusion", "convolution", "dot", "custom-call"):
-                for k in pending:
-                    pending[k] = True
-            continue
-        kind, phase = m.group(1), m.group(2)
-        name = re.match(r"\s*(?:ROOT )?(%[\w.-]+)", line).group(1)
-        if phase == "-start":
-            pending[name] = False
-            found[kind][0] += 1
-        elif phase == "-done":
-            started = re.search(r"-done\((%[\w.-]+)", line)
-            if started is not None and pending.pop(started.group(1), False):
-                found[kind][1] += 1
-        else:
-            found[kind][0] += 1
-            if computation.startswith("%async_collective_fusion"):
-                found[kind][1] += 1
+    for kind, _, overlapped in collective_records(text):
+        found[kind][0] += 1
+        found[kind][1] += overlapped
+    return {k: tuple(v) for k, v in found.items()}
+
+
+def collective_bytes(text):
+    """{kind: (bytes each chip sends, of which overlapped)} (collective_records)."""
+    found = collections.defaultdict(lambda: [0.0, 0.0])
+    for kind, sent, overlapped in collective_records(text):
+        found[kind][0] += sent
+        found[kind][1] += sent if overlapped else 0.0
     return {k: tuple(v) for k, v in found.items()}
 
 
