@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
+from .._core import runtime
 from .._core.registry import TABLE, lowering
 from .._execution.kernels import kernel_for
 from .._execution.spmd import AXIS, skipping
@@ -74,7 +75,16 @@ def _all_reduce(x, op):
 def _reduce_scatter(x, op):
     """x: (n * k, ...) -> this rank's reduced k rows; rank j gets the j-th block."""
     if op in ("sum", "avg") and x.dtype != jnp.bool_:
-        out = lax.psum_scatter(x, AXIS, scatter_dimension=0, tiled=True)
+        if x.ndim == 1 and runtime.program_platform() == "tpu":
+            # As (ranks, k): FSDP2's input is the (ranks, k) concatenation of a unit's gradients
+            # (_chunk_cat) seen flat, and a flat array on TPU is laid out otherwise (tiles of
+            # 1024 elements, not 8 x 128): reduced flat, it was copied whole first (the root
+            # unit's float32 gradients of an 8B Llama: 13.7 GiB of temporaries, 9.8 as rows).
+            n = lax.axis_size(AXIS)
+            out = lax.psum_scatter(x.reshape(n, -1), AXIS, scatter_dimension=0, tiled=True)
+            out = out.reshape(-1)
+        else:
+            out = lax.psum_scatter(x, AXIS, scatter_dimension=0, tiled=True)
         return out if op == "sum" else (out / lax.axis_size(AXIS)).astype(x.dtype)
     n = lax.axis_size(AXIS)
     chunks = x.reshape(n, x.shape[0] // n, *x.shape[1:])
@@ -92,13 +102,28 @@ def all_reduce_coalesced(xs, reduce_op, group_name):
     return [all_reduce(x, reduce_op, group_name) for x in xs]
 
 
+# XLA:TPU lays a 1-D array out in tiles of 1024 elements, and compiles an all-gather whose
+# per-rank part is not a whole number of them as a dynamic-update-slice into the whole buffer
+# plus an all-reduce of it (measured, libtpu 0.0.42: twice the bytes, a temporary of the whole,
+# never overlapped).  FSDP2 gathers the concatenation of a unit's padded shards, of any length.
+_TPU_TILE = 1024
+
+
+def _all_gather(x):
+    if x.size % _TPU_TILE == 0 or runtime.program_platform() != "tpu":
+        return lax.all_gather(x, AXIS, tiled=True)
+    flat = x.reshape(-1)
+    rows = lax.all_gather(jnp.pad(flat, (0, -flat.size % _TPU_TILE)), AXIS)  # (ranks, whole tiles)
+    return rows[:, :flat.size].reshape(-1, *x.shape[1:])
+
+
 # (The `_out` ops are ops of their own, not out= overloads the table derives.)
 @lowering("_c10d_functional::all_gather_into_tensor", "_c10d_functional::all_gather_into_tensor_out",
           mesh=_mesh)
 def all_gather_into_tensor(x, group_size, group_name):
     if skipping():
         return jnp.zeros((group_size * x.shape[0], *x.shape[1:]), x.dtype)
-    return x if group_size == 1 else lax.all_gather(x, AXIS, tiled=True)
+    return x if group_size == 1 else _all_gather(x)
 
 
 @lowering("_c10d_functional::all_gather_into_tensor_coalesced", mesh=_mesh)
