@@ -172,6 +172,98 @@ def test_collectives_and_their_overlap_are_read_from_the_tpu_schedule():
     assert gathers >= 4 and 1 <= overlapped <= gathers
 
 
+def test_collective_bytes_are_counted_once_per_collective():
+    """A tuple-typed all-reduce (its type holds `/*index=5*/` comments) is read, and an
+    all-gather overlapped across a chain of async collective fusions (each naming it, beside
+    its start and done halves) is one collective."""
+    text = """HloModule m
+
+%fused_start (p: bf16[4]) -> (bf16[4], bf16[16]) {
+  %p = bf16[4]{0} parameter(0)
+  %ag.1 = bf16[16]{0:T(1024)} all-gather(%p), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}, frontend_attributes={chain_id="0"}
+  ROOT %cc = (bf16[4]{0}, bf16[16]{0}) custom-call(%ag.1), custom_call_target="AsyncCollectiveStart"
+}
+
+%async_collective_fusion.1 (p: bf16[4]) -> bf16[16] {
+  %p = bf16[4]{0} parameter(0)
+  ROOT %ag.2 = bf16[16]{0:T(1024)} all-gather(%p), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}, frontend_attributes={chain_id="0"}
+}
+
+%async_collective_fusion.2 (p: bf16[4]) -> bf16[16] {
+  %p = bf16[4]{0} parameter(0)
+  ROOT %ag.3 = bf16[16]{0:T(1024)} all-gather(%p), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}, frontend_attributes={chain_id="0"}
+}
+
+ENTRY %main (a: f32[8], b: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %b = f32[8]{0} parameter(1)
+  %ar = (f32[8]{0:T(128)S(1)}, f32[8]{0}, f32[8]{0}, f32[8]{0}, f32[8]{0}, /*index=5*/f32[8]{0}) all-reduce(%a, %b, %a, %b, %a, /*index=5*/%b), channel_id=2, replica_groups=[1,4]<=[4], to_apply=%add
+  %f = (f32[8]{0}, f32[8]{0}, /*index=5*/f32[8]{0}) fusion(%a), kind=kLoop, calls=%x
+  ROOT %gte = f32[8]{0} get-tuple-element(%ar), index=0
+}
+"""
+    assert tpu_compiler.collectives(text) == {"all-gather": (1, 1), "all-reduce": (1, 0)}
+    sent = tpu_compiler.collective_bytes(text)
+    assert sent["all-gather"] == (16 * 2 * 3 / 4, 16 * 2 * 3 / 4)  # the whole, less one's own
+    assert sent["all-reduce"] == (6 * 8 * 4 * 2 * 3 / 4, 0.0)     # twice, for an all-reduce
+    assert [op for _, op in tpu_compiler.entry_instructions(text)] == [
+        "parameter", "parameter", "all-reduce", "fusion", "get-tuple-element"]
+
+
+def _fsdp_collective(body, shapes, target="v5e:2x2", whole=False):
+    """`body` (per chip, over axis spmd.AXIS) compiled for `target` as our lowerings build it,
+    on arrays of `shapes` sharded over the chips (`whole`: each chip's input is the whole)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from torchtpu._execution import spmd
+    devices = tpu_compiler.topology(target)
+    mesh = Mesh(np.array(devices), (spmd.AXIS,))
+    spec = P() if whole else P(spmd.AXIS)
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=P(spmd.AXIS),
+                               check_vma=False))
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+            for s in shapes]
+    r = tpu_compiler.compile_for(fn, args, target)
+    assert not r.error, r.error
+    return r
+
+
+def test_an_fsdp_all_gather_of_any_length_stays_an_all_gather_on_tpu():
+    """FSDP2 gathers a unit's padded shards concatenated, of any length; XLA:TPU compiles an
+    all-gather of a part that is not whole 1024-element tiles as an all-reduce of the whole
+    buffer (twice the bytes, never overlapped): the lowering gathers whole tiles."""
+    from jax import lax
+    from torchtpu._distributed import collective_ops
+    from torchtpu._execution import spmd
+    raw = _fsdp_collective(lambda x: lax.all_gather(x, spmd.AXIS, tiled=True)[:x.size] * 2,
+                           [(4 * 8208,)])
+    ours = _fsdp_collective(lambda x: collective_ops._all_gather(x)[:x.size] * 2, [(4 * 8208,)])
+    assert set(raw.collectives) == {"all-reduce"}  # (what libtpu does with it)
+    assert set(ours.collectives) == {"all-gather"}
+    # (its padding to whole tiles is sent too: 9,216 elements of 8,208 here)
+    assert ours.collective_bytes["all-gather"][0] < raw.collective_bytes["all-reduce"][0] / 1.7
+
+
+def test_an_fsdp_reduce_scatter_is_reduced_as_rows_on_tpu():
+    """FSDP2 reduce-scatters the (ranks, k) concatenation of a unit's gradients, seen flat; as
+    rows it is not first copied into a flat array's layout."""
+    from jax import lax
+    from torchtpu._distributed import collective_ops
+    from torchtpu._execution import spmd
+
+    def grads(a, b):  # _chunk_cat of two gradients in float32, as FSDP2's reduce_dtype
+        n = lax.axis_size(spmd.AXIS)
+        a, b = (t * lax.axis_index(spmd.AXIS).astype(t.dtype) for t in (a, b))  # (per chip)
+        return jnp.concatenate([a.astype(jnp.float32).reshape(n, -1),
+                                b.astype(jnp.float32).reshape(n, -1)], 1).reshape(-1)
+
+    shapes = [(16 * 1024 * 1000,)] * 2  # each chip's whole gradients, 16M parameters
+    flat = _fsdp_collective(lambda a, b: lax.psum_scatter(grads(a, b), spmd.AXIS, tiled=True),
+                            shapes, "v5e:4x4", whole=True)
+    ours = _fsdp_collective(lambda a, b: collective_ops._reduce_scatter(grads(a, b), "sum"),
+                            shapes, "v5e:4x4", whole=True)
+    assert ours.temp_bytes < flat.temp_bytes and ours.bytes_accessed < flat.bytes_accessed
+
+
 def test_unknown_targets_and_bad_names_raise_value_error():
     with pytest.raises(ValueError, match="v5e:1x1"):
         torch.tpu.compile_for("v5e")
