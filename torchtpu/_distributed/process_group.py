@@ -170,6 +170,9 @@ class ProcessGroupTPU(dist.ProcessGroup):
         self._name = str(group_name)
         self._broken = None
         self._programs = 0  # programs over this group's mesh so far (their signatures' keys)
+        if _projected:
+            self._projected_on(_projected[-1], global_ranks)
+            return
         if not global_ranks:
             launch.refuse_if_too_late(size)  # before connecting: every rank raises alike
             launch.configure_tpu_hosts(rank, size)  # (likewise)
@@ -186,6 +189,21 @@ class ProcessGroupTPU(dist.ProcessGroup):
         _groups[self._name] = self
         if self.mesh is not None:
             _by_mesh[self.mesh] = self
+
+    def _projected_on(self, chips, global_ranks):
+        """A group of `projected_world`: its mesh is the target's chips, and it has no peers
+        (no gloo side, no JAX multi-process runtime, nothing exchanged)."""
+        ranks = list(global_ranks) if global_ranks else list(range(self._size))
+        if max(ranks) >= len(chips):
+            raise ValueError(f"a projected group of ranks {ranks[0]}..{ranks[-1]}: the TPU "
+                             f"target has {len(chips)} chips")
+        self._cpu = _NoPeers()
+        self._device_ids = ()
+        self.label = f"{self._name} (ranks {ranks}, projected)"
+        self.mesh = Mesh(np.array([chips[r] for r in ranks], dtype=object), (spmd.AXIS,))
+        collective_ops.install(group_named)
+        _groups[self._name] = self
+        _by_mesh[self.mesh] = self
 
     # --- the group's devices ------------------------------------------------------------
     def _exchange_devices(self):
@@ -604,6 +622,38 @@ class _ReceiveWork(dist._Work):
 
     def result(self):
         return self._tensors
+
+
+class _NoPeers:
+    """The CPU side of a projected group: there is no other process to talk to."""
+
+    def __getattr__(self, name):
+        def refuse(*args, **kwargs):
+            raise RuntimeError(f"ProcessGroupTPU::{name}: a projected group (torchtpu.scaling) "
+                               "only records programs for a TPU target; it runs nothing")
+        return refuse
+
+
+_projected = []  # the chips of the TPU target whose world projected_world is making
+
+
+@contextlib.contextmanager
+def projected_world(chips):
+    """The default process group as rank 0 of a world of `len(chips)` ranks, all in this
+    process, whose programs are over `chips` (a TPU target's compile-only devices): a job's
+    programs recorded (not run) here are those every rank of a slice would run, compiled for
+    it by `Segment.compile_for` (torchtpu.scaling: the real FSDP2 step for a slice this machine
+    does not have).  Nothing over the group can run; a collective called eagerly fails."""
+    if dist.is_initialized():
+        raise RuntimeError("projected_world: a process group is already initialized")
+    _projected.append(list(chips))
+    try:
+        dist.init_process_group("tpu", store=dist.HashStore(), rank=0, world_size=len(chips))
+        yield dist.group.WORLD
+    finally:
+        _projected.pop()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 _hooks_installed = []

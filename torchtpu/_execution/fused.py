@@ -92,8 +92,10 @@ class Trace:
         # Read before anything wrote them, they are zeros made inside the program at every
         # replay, as a fused segment makes them, instead of inputs read from their storage
         # (a step's `zero_` and `fill_` of new tensors made each such storage an input, a
-        # guarded output and a copy: 20 of them, 24 MB, in a Llama step).  Not in an
-        # abstract capture, which describes every unwritten storage as it did.
+        # guarded output and a copy: 20 of them, 24 MB, in a Llama step).  An abstract
+        # capture describes the other unwritten storages (a model materialised without
+        # memory), but these too are its temporaries (FSDP2's unsharded parameters and
+        # gather/scatter buffers: 21 GB of inputs per chip in an 8B Llama's step before).
         self.born = None
 
     def flush(self, reason):
@@ -180,7 +182,7 @@ def record(kernel, compiled, vals, buffers, scalars, device):
                 wiring.append(a.slot)
                 continue
             if a is None and b.dtype is not None and (
-                    tr.ext_buffers is None or not tr.abstract and b in tr.born):
+                    tr.ext_buffers is None or b in tr.born):
                 # unwritten (a graph's capture: one it made itself, Trace.born): _settle_zeros
                 wiring.append(-1 - _zeros_input(tr, b, len(tr.signature), len(wiring)))
                 continue

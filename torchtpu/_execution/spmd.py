@@ -257,6 +257,13 @@ def to_global(a, sharding):
     return jax.make_array_from_single_device_arrays(a.shape, sharding, [a])
 
 
+def _as_described(a):
+    """A device array as its shape and dtype (host values, passed by each rank, unchanged)."""
+    if isinstance(a, jax.Array):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype)
+    return a
+
+
 def _local(x):
     return x.addressable_data(0) if isinstance(x, jax.Array) else x
 
@@ -276,7 +283,8 @@ class Program:
     each other could otherwise run at once (XLA:CPU does), and gloo, pairing collectives by
     order, then paired one rank's first with another's second."""
 
-    __slots__ = ("executable", "sharding", "mesh", "what", "sig", "fn", "skipped", "instead")
+    __slots__ = ("executable", "sharding", "mesh", "what", "sig", "fn", "skipped", "instead",
+                 "projected")
 
     def __init__(self, fn, mesh, collectives, key, name, what, skipped=None, **options):
         self.mesh = mesh
@@ -284,6 +292,9 @@ class Program:
         self.what = what
         self.sig = signature(collectives) if check_enabled() else None
         self.fn, self.skipped, self.instead = fn, skipped, None
+        # Over a TPU target's compile-only chips (a projected world): compiled for it, never run.
+        # (not cached: a process joining a multi-process runtime has new devices)
+        self.projected = mesh.devices.flat[0] not in jax.devices()
         cpu = mesh.devices.flat[0].platform == "cpu"
         body = program(fn, inline_below=1024 if cpu else 0)
         spmd = _over(body, mesh)
@@ -309,6 +320,10 @@ class Program:
         leaves = jax.tree_util.tree_leaves(args)
         device = next((next(iter(a.devices())) for a in leaves if isinstance(a, jax.Array)),
                       None)
+        if self.projected:  # its values described (ProcessGroupTPU's projected world)
+            return jax.tree_util.tree_map(
+                lambda a: to_global(_as_described(a), sharding),
+                (jax.ShapeDtypeStruct((), np.float32), *args))
         after = _previous.get(device)
         if after is None:
             after = _previous[device] = jax.device_put(np.float32(0), device)
