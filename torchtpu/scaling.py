@@ -1,36 +1,44 @@
-"""A projection of FSDP and HSDP training to TPU slices: `python -m torchtpu.scaling`.
+"""FSDP and HSDP training on TPU slices, before renting one: `python -m torchtpu.scaling`.
 
-This is a model, not a measurement: no TPU ran it.  It takes
+Two views, printed side by side.
 
-- the training step's own program: the model (a Llama-style config) is built on `meta`,
-  materialised on tpu without memory (`to_empty`), and one step (forward, backward, AdamW) is
-  recorded into a fused trace that reads nothing (its inputs are described, not allocated) and
-  lowered and compiled by XLA for this machine; XLA's cost analysis gives its FLOPs.  Steps of
-  1 and 2 layers give the per-layer and the per-model costs, so a 32-layer model costs two
-  small compiles.  The HBM traffic is the least a step must move (weights read in the forward
-  and the backward, gradients, AdamW's state): XLA:CPU's count of bytes accessed is printed
-  beside it but not used, since it does not fuse as a TPU does (it is several times larger);
-- the collectives FSDP issues per step: each FSDP unit's parameters all-gathered in the forward
-  and again in the backward (reshard_after_forward), and its gradients reduce-scattered, as
-  torchtpu's FSDP2 programs do (benchmarks/scaling.py checks the bytes they move against this);
-  with HSDP the reduce-scattered gradient shards are also all-reduced across slices over DCN;
-- published chip figures (CHIPS, each with its source).
+The compiled step (needs libtpu, not a TPU).  The real training step, PyTorch's FSDP2 set up as
+torchtitan does (`fully_shard` per block and the root, bf16 parameters all-gathered, gradients
+reduced in float32, AdamW), of a Llama-style model built on `meta`: the process is rank 0 of a
+world of as many ranks as the slice has chips (`process_group.projected_world`, whose mesh is
+the slice's compile-only chips), the step is recorded once without running or reading anything,
+and that program, the one every chip runs, collectives included, is compiled by libtpu for the
+slice.  Read from the compiler: HBM per chip (and whether it fits: where it does not, the
+step again with each block's activations checkpointed; the largest batch that fits, HBM being
+linear in the batch between two compiles), the roofline (`optimal_seconds`; Pallas kernels,
+i.e. attention, are not costed, so its FLOPs are added at the chip's peak), and the schedule's
+collectives: the bytes each chip sends, timed at its ICI bandwidth, exposed where the schedule
+runs them alone, and where overlapped, exposed only beyond the compute there is to hide them.
+Steps of 1 and 3 layers are compiled and the rest extrapolated (each layer costs half what the
+second and third added), so a 32-layer model costs two compiles of small programs.  (Two
+samples, not 1 and 2 layers: HBM per layer is not the same from one layer to the next, the
+compiler placing buffers anew; an 8B Llama's on v5e:16x16 rose 3.0 then 0.8 GiB, JAX's step's
+1.6 then 2.8.)
 
-and estimates per chip: compute time (the roofline of FLOPs and HBM bytes), the time of each
-collective per mesh axis (ICI rings along the torus axes the FSDP axis spans; DCN across
-slices), how much of it the schedule can hide (XLA's latency-hiding scheduler overlaps a
-layer's collectives with another layer's compute: all of it but the first all-gather and the
-last reduce-scatter while communication is shorter than compute, none of the excess beyond),
-and so the step time, the utilisation (model FLOPs / peak / step time) and the scaling
-efficiency (compute time / step time).
+The analytic model (`--analytic` alone, or where libtpu is missing): the FLOPs of the usual
+formulas, the least HBM traffic a step must move, the collectives FSDP issues per step (each
+unit's parameters all-gathered in the forward and again in the backward, gradients
+reduce-scattered; with HSDP the shards also all-reduced across slices over DCN) along the
+torus axes the FSDP axis spans, hidden but for the first all-gather and the last
+reduce-scatter while communication is shorter than compute; published chip figures (CHIPS,
+each with its source).  A model, not a measurement.  Checked against Austin et al., "How to
+Scale Your Model" (2025), part 5 (training): FSDP is compute-bound above C / W_ici tokens per
+chip (2,550 on one v5p ICI axis, 850 on three); `critical_tokens_per_chip` gives that threshold
+from this model (tests/test_scaling.py).
 
-Checked against Austin et al., "How to Scale Your Model" (2025), part 5 (training): FSDP is
-compute-bound above C / W_ici tokens per chip (2,550 on one v5p ICI axis, 850 on three);
-`critical_tokens_per_chip` gives that threshold from this model (tests/test_scaling.py).
+Neither view ran on a TPU: the compiled one is what libtpu builds and its cost model says.
 """
 import argparse
 import dataclasses
+import json
+import re
 import sys
+import time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,49 +83,7 @@ MODELS = {
 }
 
 
-# --- the program's cost -------------------------------------------------------------------------
-def _model(config, layers, dtype):
-    import torch
-    from torchtpu.examples.models import Llama
-    with torch.device("meta"):
-        m = Llama(vocab=config["vocab"], d=config["d"], layers=layers, heads=config["heads"],
-                  hidden=config["hidden"], kv_heads=config["kv_heads"])
-    return m.to(dtype).to_empty(device="tpu")
-
-
-def step_cost(config, layers, seq, batch, dtype="bfloat16"):
-    """(FLOPs, bytes accessed) of one training step of `batch` sequences of `seq` tokens on one
-    chip, from XLA's cost analysis of the step's program (nothing is run or allocated)."""
-    import torch
-    from ._execution import fused
-    dtype = getattr(torch, dtype)
-    model = _model(config, layers, dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=True)
-    for p in model.parameters():  # the state a first step would make, described only
-        opt.state[p] = {"step": torch.zeros((), device="tpu"), "exp_avg": torch.empty_like(p),
-                        "exp_avg_sq": torch.empty_like(p)}
-    tokens = torch.empty(batch, seq + 1, dtype=torch.long, device="tpu")
-    tr, previous = fused.start_capture(torch.tpu.current_device(), by_storage=True, abstract=True)
-    try:
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        opt.step()
-    finally:
-        intact = fused.stop_capture(tr, previous)
-    if not intact:
-        raise RuntimeError("the step could not be recorded as one program")
-    types = tuple(map(type, tr.scalars))
-    segment = fused.Segment(tuple(tr.signature), [p.slot for p in tr.live_outputs()], types,
-                            "projection")
-    try:
-        compiled = segment.lower(list(tr.ext_arrays), fused.pack_scalars(tr.scalars, types)).compile()
-    finally:
-        tr.release()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    return float(cost["flops"]), float(cost["bytes accessed"])
-
-
+# --- the analytic model's costs -------------------------------------------------------------------------
 @dataclasses.dataclass
 class Program:
     """Per-chip costs of one step for `batch` sequences."""
@@ -125,7 +91,6 @@ class Program:
     bytes: float       # the least HBM traffic (see the module docstring)
     params: int        # parameters of the whole model
     layer_params: int  # of one layer (an FSDP unit)
-    cpu_bytes: float = None  # XLA:CPU's bytes accessed, for reference
 
 
 def _sizes(config):
@@ -141,17 +106,6 @@ def _least_bytes(params):
     return params * 2 * 2 + params * 4 * 7
 
 
-def program_cost(config, seq, batch, dtype="bfloat16"):
-    """The program's FLOPs (XLA's cost analysis of 1- and 2-layer steps, extrapolated)."""
-    f1, b1 = step_cost(config, 1, seq, batch, dtype)
-    f2, b2 = step_cost(config, 2, seq, batch, dtype)
-    layers = config["layers"]
-    params, layer_params = _sizes(config)
-    return Program(flops=f1 + (layers - 1) * (f2 - f1), bytes=_least_bytes(params),
-                   params=params, layer_params=layer_params,
-                   cpu_bytes=b1 + (layers - 1) * (b2 - b1))
-
-
 def analytic_cost(config, seq, batch):
     """The same from the usual formulas (6 FLOPs per parameter and token, plus attention's
     2 x 2 x seq x d per token and layer, three times for forward and backward), for
@@ -162,6 +116,256 @@ def analytic_cost(config, seq, batch):
     flops = 6 * params * tokens + layers * 3 * 4 * seq * d * tokens
     return Program(flops=flops, bytes=_least_bytes(params), params=params,
                    layer_params=layer_params)
+
+
+# --- the real FSDP2 step compiled for a slice ---------------------------------------------------
+def topology_of(spec):
+    """A TPU target for libtpu: 'v5e:16x16' as given, or a slice's name ('v5e-256', 'v6e-64';
+    v5p's count TensorCores, two per chip: 'v5p-1024' is 512 chips) as the squarest torus of
+    its chips (2-D for v5e and v6e, 3-D for v4 and v5p)."""
+    if ":" in spec:
+        return spec
+    name, n = _slices(spec)
+    chips = n // 2 if name in ("v4", "v5p") else n
+    dims = [1, 1, 1] if name in ("v4", "v5p") else [1, 1]
+    if chips < 1 or chips & (chips - 1):
+        raise ValueError(f"{spec}: a slice of a power-of-two number of chips (got {chips})")
+    while chips > 1:
+        dims[dims.index(min(dims))] *= 2
+        chips //= 2
+    return f"{name}:{'x'.join(map(str, sorted(dims)))}"
+
+
+def _fsdp_model(config, layers, checkpoint):
+    """The Llama of `config` with `layers` layers on tpu, set up as torchtitan does (fully_shard
+    units below; bf16 parameters all-gathered, gradients reduced in float32), its
+    storages allocated lazily (to_empty: nothing is read before the step is recorded)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torchtpu.examples.models import Llama
+    with torch.device("meta"):
+        model = Llama(vocab=config["vocab"], d=config["d"], layers=layers, heads=config["heads"],
+                      hidden=config["hidden"], kv_heads=config["kv_heads"])
+    if checkpoint:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = checkpoint_wrapper(block)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # torchtitan's units: the embedding, each block, the final norm with the output
+    # projection, the root (left with nothing: a unit of the embedding and the output, 2 x
+    # 525M parameters for a 128k vocabulary, would hold both unsharded, with their float32
+    # gradients, at once).
+    # The last block and the output unit stay unsharded after the forward (the backward
+    # starts with them), as torchtitan leaves them.
+    fully_shard(model.embed, mp_policy=policy)
+    for i, block in enumerate(model.blocks):
+        fully_shard(block, mp_policy=policy, reshard_after_forward=i < layers - 1)
+    fully_shard([model.norm, model.head], mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model, mp_policy=policy)
+    return model.to_empty(device="tpu")
+
+
+def _recorded_step(model, seq, batch):
+    """(segment, its inputs, its packed scalars): one training step (forward, backward, AdamW)
+    recorded as one program without running or reading anything (its inputs are described)."""
+    import torch
+    from ._execution import fused
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=True, foreach=True)
+    for p in model.parameters():  # the state a first step would make, described only
+        opt.state[p] = {"step": torch.zeros((), device="tpu"), "exp_avg": torch.empty_like(p),
+                        "exp_avg_sq": torch.empty_like(p)}
+    tokens = torch.empty(batch, seq + 1, dtype=torch.long, device="tpu")
+    tr, previous = fused.start_capture(torch.tpu.current_device(), by_storage=True, abstract=True)
+    try:
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        opt.step()
+    finally:
+        intact = fused.stop_capture(tr, previous)
+    if not intact:
+        raise RuntimeError("the step could not be recorded as one program")
+    types = tuple(map(type, tr.scalars))
+    segment = fused.Segment(tuple(tr.signature), [p.slot for p in tr.live_outputs()], types,
+                            "FSDP2 step")
+    return segment, list(tr.ext_arrays), fused.pack_scalars(tr.scalars, types), tr
+
+
+def fsdp_step_report(config, target, layers, seq, batch, checkpoint=False):
+    """tpu_compiler.Report of one rank's FSDP2 training step of the `layers`-layer model of
+    `config`, `batch` sequences of `seq` tokens per chip, compiled for `target` (every chip a
+    rank: the program each of them runs, collectives included)."""
+    from ._core import tpu_compiler
+    from ._distributed.process_group import projected_world
+    chips = tpu_compiler.topology(target)
+    with projected_world(chips):
+        model = _fsdp_model(config, layers, checkpoint)
+        segment, arrays, scalars, tr = _recorded_step(model, seq, batch)
+        try:
+            return segment.compile_for(target, arrays, scalars, (False,) * len(arrays))
+        finally:
+            tr.release()
+
+
+@dataclasses.dataclass
+class Compiled:
+    """What the TPU compiler says of the whole model's step per chip, from the steps of
+    SAMPLED layers (each layer costs the same)."""
+    target: str
+    chips: int
+    batch: int
+    hbm: float          # bytes per chip
+    capacity: float
+    roofline: float     # s (the compiler's; Pallas kernels, i.e. attention, not in it)
+    attention: float    # s: attention's FLOPs at the chip's peak (its Pallas kernel, uncosted)
+    flops: float        # per chip, attention's excluded
+    bytes: float
+    sent: float         # bytes each chip sends in collectives
+    sent_overlapped: float  # of which the schedule overlaps with compute
+    compile_seconds: float  # of the two sampled steps
+    reports: list = dataclasses.field(default_factory=list, repr=False)
+
+    @property
+    def fits(self):
+        return self.hbm <= self.capacity
+
+
+SAMPLED = (1, 3)  # the layers of the steps compiled
+
+
+def _extrapolated(first, last, layers):
+    a, b = SAMPLED
+    return first + (layers - a) * (last - first) / (b - a)
+
+
+def compiled_cost(config, target, seq, batch, checkpoint=False, report=fsdp_step_report):
+    """Compiled: the steps of SAMPLED layers compiled for `target` (`report(config, target,
+    layers, seq, batch, checkpoint)`), extrapolated to the model's layers."""
+    from ._core import tpu_compiler
+    r1, r2 = (report(config, target, n, seq, batch, checkpoint) for n in SAMPLED)
+    for r in (r1, r2):
+        if r.error:
+            short = re.search(r"temporaries \(([\d.]+)G\) exceeds", r.error)
+            if short:
+                raise DoesNotFit(float(short.group(1)) * 2**30, r.error)
+            raise RuntimeError(f"the step does not compile for {target}: {r.error}")
+    layers = config["layers"]
+    chip = CHIPS[r1.chip]
+
+    def x(get):
+        return _extrapolated(get(r1), get(r2), layers)
+
+    sent = {k: x(lambda r: sum(v[i] for v in r.collective_bytes.values())) for k, i in
+            (("sent", 0), ("overlapped", 1))}
+    attention = layers * 3 * 2 * seq * config["d"] * seq * batch / chip.peak  # causal: half of 4
+    return Compiled(target=target, chips=len(tpu_compiler.topology(target)), batch=batch,
+                    hbm=x(lambda r: r.hbm_bytes), capacity=r1.hbm_capacity,
+                    roofline=x(lambda r: r.optimal_seconds), attention=attention,
+                    flops=x(lambda r: r.flops), bytes=x(lambda r: r.bytes_accessed),
+                    sent=sent["sent"], sent_overlapped=sent["overlapped"],
+                    compile_seconds=r1.compile_seconds + r2.compile_seconds, reports=[r1, r2])
+
+
+@dataclasses.dataclass
+class Scheduled:
+    """A step time from the compiled program: its roofline (plus attention), and the time of
+    its collectives at the chip's ICI bandwidth: those the schedule runs alone exposed, and
+    the overlapped ones exposed beyond the compute there is to hide them under."""
+    compute: float
+    collectives: float
+    exposed: float
+    step: float
+    utilisation: float  # model FLOPs (6 per parameter and token, plus attention) / peak / step
+
+
+def scheduled(compiled, chip, model_flops, axes=None):
+    bandwidth = (axes or chip.axes) * chip.axis_bandwidth
+    compute = compiled.roofline + compiled.attention
+    alone = (compiled.sent - compiled.sent_overlapped) / bandwidth
+    hidden = compiled.sent_overlapped / bandwidth
+    exposed = alone + max(0.0, hidden - compute)
+    step = compute + exposed
+    return Scheduled(compute=compute, collectives=alone + hidden, exposed=exposed, step=step,
+                     utilisation=model_flops / chip.peak / step)
+
+
+class DoesNotFit(RuntimeError):
+    """The compiler refused the step: its temporaries alone (`temporaries` bytes, of a step of
+    one or two layers) exceed the chip's HBM."""
+
+    def __init__(self, temporaries, error):
+        super().__init__(error)
+        self.temporaries = temporaries
+
+
+def largest_batch(config, target, seq, fitted, checkpoint=False, report=fsdp_step_report):
+    """(the largest batch per chip that fits, Compiled at twice `fitted`'s batch): HBM taken as
+    linear in the batch between the two compiles."""
+    doubled = compiled_cost(config, target, seq, 2 * fitted.batch, checkpoint, report)
+    per_sequence = (doubled.hbm - fitted.hbm) / fitted.batch
+    if per_sequence <= 0:
+        return None, doubled
+    return int(fitted.batch + (fitted.capacity - fitted.hbm) // per_sequence), doubled
+
+
+def compiled_summary(config, target, seq, batch, fit=True, report=fsdp_step_report):
+    """The figures `python -m torchtpu.scaling` prints for one slice from the compiled step
+    (a dict; `summary_line`): HBM per chip and whether it fits (where it does not, whether it
+    does with each block's activations checkpointed; with `fit`, the largest batch that fits),
+    the roofline, the collectives' time and what of it the schedule leaves exposed, the step
+    time and utilisation."""
+    from ._core import tpu_compiler
+    chip = CHIPS[tpu_compiler.CHIPS[tpu_compiler.topology(target)[0].device_kind][0]]
+    row = dict(target=target, chips=len(tpu_compiler.topology(target)), batch=batch, seq=seq,
+               checkpointed=False, capacity=chip.hbm)
+    compiled = None
+    for checkpoint in (False, True):  # each block's activations kept, else recomputed
+        try:
+            attempt = compiled_cost(config, target, seq, batch, checkpoint, report)
+        except DoesNotFit as e:
+            if compiled is None:
+                row.update(fits=False, checkpointed=checkpoint, hbm_at_least=e.temporaries)
+            continue
+        compiled = attempt
+        row.update(checkpointed=checkpoint)
+        if compiled.fits:
+            break
+    if compiled is None:
+        return row
+    model_flops = analytic_cost(config, seq, batch).flops
+    s = scheduled(compiled, chip, model_flops)
+    row.update(fits=compiled.fits, hbm=compiled.hbm, capacity=compiled.capacity,
+               roofline=compiled.roofline, attention=compiled.attention, flops=compiled.flops,
+               bytes=compiled.bytes, sent=compiled.sent, sent_overlapped=compiled.sent_overlapped,
+               collectives=s.collectives, exposed=s.exposed, step=s.step,
+               utilisation=s.utilisation, compile_seconds=compiled.compile_seconds)
+    if fit and compiled.fits:
+        try:
+            largest, doubled = largest_batch(config, target, seq, compiled, row["checkpointed"],
+                                             report)
+            row["compile_seconds"] += doubled.compile_seconds
+        except DoesNotFit:
+            largest = batch
+        row["largest_batch"] = largest
+    return row
+
+
+def summary_line(row):
+    if "step" not in row:
+        return (f"{row['target']}: does not fit at {row['batch']} x {row['seq']} tokens per "
+                f"chip{' even with activation checkpointing' if row['checkpointed'] else ''}: "
+                f"temporaries alone {row['hbm_at_least'] / 2**30:.1f} GiB > "
+                f"{row['capacity'] / 2**30:.0f} GiB")
+    largest = row.get("largest_batch")
+    return (f"{row['target']}: HBM {row['hbm'] / 2**30:.2f} of {row['capacity'] / 2**30:.0f} GiB "
+            f"per chip ({'fits' if row['fits'] else 'DOES NOT FIT'}"
+            f"{', activations checkpointed' if row['checkpointed'] else ''}"
+            f"{f'; largest batch {largest}' if largest is not None else ''}); roofline "
+            f"{row['roofline'] * 1e3:.1f} ms + attention {row['attention'] * 1e3:.1f} ms; "
+            f"{row['bytes'] / 1e9:.1f} GB accessed; collectives {row['sent'] / 1e9:.2f} GB sent "
+            f"({row['sent_overlapped'] / max(row['sent'], 1):.0%} overlapped), "
+            f"{row['collectives'] * 1e3:.1f} ms, exposed {row['exposed'] * 1e3:.1f} ms -> step "
+            f"{row['step'] * 1e3:.1f} ms, utilisation {row['utilisation']:.0%}; compiled in "
+            f"{row['compile_seconds']:.0f} s")
 
 
 # --- the projection ----------------------------------------------------------------------------
@@ -216,54 +420,90 @@ def critical_tokens_per_chip(chip, axes=1, comm_bytes=2, grad_bytes=2):
 
 # --- the command --------------------------------------------------------------------------------
 def _slices(spec):
-    """'v5e-256' -> ('v5e', 256)."""
+    """'v5e-256' -> ('v5e', 256); a topology 'v5e:16x16' -> ('v5e', 256)."""
+    if ":" in spec:
+        name, _, bounds = spec.partition(":")
+        n = 1
+        for b in bounds.split("x"):
+            n *= int(b)
+        return name, n * 2 if name in ("v4", "v5p") else n
     name, _, n = spec.partition("-")
     return name, int(n)
 
 
+def _analytic_lines(program, config, spec, hsdp, dcn):
+    name, n = _slices(spec)
+    chip = CHIPS[name]
+    n = n // 2 if name in ("v4", "v5p") else n  # (chips)
+    lines = []
+    for kind, slices in (("FSDP", 1), ("HSDP", hsdp)) if hsdp > 1 else (("FSDP", 1),):
+        p = project(program, chip, n, slices, layers=config["layers"], dcn=dcn)
+        lines.append(f"{spec:10s} {kind} x{slices} ({n * slices} chips): compute "
+                     f"{p.compute * 1e3:8.2f} ms, ICI {p.ici * 1e3:7.2f} ms, DCN "
+                     f"{p.dcn * 1e3:7.2f} ms, exposed {p.exposed * 1e3:6.2f} ms -> step "
+                     f"{p.step * 1e3:8.2f} ms, utilisation {p.utilisation:.0%}, scaling "
+                     f"efficiency {p.efficiency:.0%}")
+    crit = critical_tokens_per_chip(chip, chip.axes)
+    lines.append(f"{'':10s} FSDP is compute-bound above {crit:,.0f} tokens per chip on all "
+                 f"{chip.axes} ICI axes ({critical_tokens_per_chip(chip, 1):,.0f} on one); "
+                 f"{chip.source}")
+    return lines
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m torchtpu.scaling",
-                                 description="Projected FSDP/HSDP step time, utilisation and "
-                                             "scaling efficiency on TPU slices (a model).")
+    ap = argparse.ArgumentParser(
+        prog="python -m torchtpu.scaling",
+        description="FSDP/HSDP training on TPU slices: the real FSDP2 step compiled for the "
+                    "slice by libtpu (no TPU needed), beside an analytic model.")
     ap.add_argument("--model", default="llama-1b", choices=sorted(MODELS))
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=4, help="sequences per chip")
     ap.add_argument("--slice", action="append", dest="slices_",
-                    help="e.g. v5e-64, v5e-256, v5p-1024 (repeatable)")
-    ap.add_argument("--hsdp", type=int, default=1, help="slices of that size, over DCN")
+                    help="e.g. v5e-64, v5e-256, v5p-1024, or a topology such as v5e:16x16 "
+                         "(repeatable)")
+    ap.add_argument("--hsdp", type=int, default=1, help="slices of that size, over DCN "
+                    "(the analytic model's)")
     ap.add_argument("--dcn-gbps", type=float, help="DCN bandwidth per chip (Gbps)")
     ap.add_argument("--analytic", action="store_true",
-                    help="formulas instead of the compiled program's cost analysis")
+                    help="the analytic model only: formulas, nothing compiled")
+    ap.add_argument("--no-fit", action="store_true",
+                    help="skip the search for the largest batch that fits (two compiles)")
+    ap.add_argument("--json", help="write the compiled figures here")
     a = ap.parse_args(argv)
     config = MODELS[a.model]
-    if a.analytic:
-        program = analytic_cost(config, a.seq, a.batch)
-        how = "analytic formulas"
-    else:
-        import torchtpu  # noqa: F401  (the device, to record the step)
-        program = program_cost(config, a.seq, a.batch)
-        how = "XLA's cost analysis of the step's program (1 and 2 layers, extrapolated)"
-    cpu = "" if program.cpu_bytes is None else \
-        f" (XLA:CPU's bytes accessed, unfused: {program.cpu_bytes / 1e9:.1f} GB)"
-    print(f"# a projection (a model, not a measurement): {a.model}, {a.batch} x {a.seq} tokens "
-          f"per chip; FLOPs from {how}: {program.flops / 1e12:.2f} TFLOP per step per chip; "
-          f"least HBM traffic {program.bytes / 1e9:.2f} GB{cpu}; "
-          f"{program.params / 1e9:.2f}B parameters")
+    slices = a.slices_ or ["v5e-64", "v5e-256", "v5p-1024"]
     dcn = None if a.dcn_gbps is None else a.dcn_gbps * 1e9 / 8
-    for spec in a.slices_ or ["v5e-64", "v5e-256", "v5p-1024"]:
-        name, n = _slices(spec)
-        chip = CHIPS[name]
-        for kind, slices in (("FSDP", 1), ("HSDP", a.hsdp)) if a.hsdp > 1 else (("FSDP", 1),):
-            p = project(program, chip, n, slices, layers=config["layers"], dcn=dcn)
-            total = n * slices
-            print(f"{spec:10s} {kind} x{slices} ({total} chips): compute {p.compute * 1e3:8.2f} ms, "
-                  f"ICI {p.ici * 1e3:7.2f} ms, DCN {p.dcn * 1e3:7.2f} ms, exposed "
-                  f"{p.exposed * 1e3:6.2f} ms -> step {p.step * 1e3:8.2f} ms, utilisation "
-                  f"{p.utilisation:.0%}, scaling efficiency {p.efficiency:.0%}")
-        crit = critical_tokens_per_chip(chip, chip.axes)
-        print(f"{'':10s} FSDP is compute-bound above {crit:,.0f} tokens per chip on all "
-              f"{chip.axes} ICI axes ({critical_tokens_per_chip(chip, 1):,.0f} on one); "
-              f"{chip.source}")
+    compiled = not a.analytic
+    if compiled:
+        import torchtpu  # noqa: F401  (the device, to record the step)
+        from ._core import tpu_compiler
+        if not tpu_compiler.have_libtpu():
+            print("# libtpu is not installed (pip install 'torchtpu[tpu]'): nothing is compiled "
+                  "for the slices; the analytic model only", flush=True)
+            compiled = False
+    program = analytic_cost(config, a.seq, a.batch)
+    print(f"# {a.model} ({program.params / 1e9:.2f}B parameters), FSDP over every chip, "
+          f"{a.batch} x {a.seq} tokens per chip, {time.strftime('%Y-%m-%d')}", flush=True)
+    rows = []
+    for spec in slices:
+        if compiled:
+            target = topology_of(spec)
+            row = compiled_summary(config, target, a.seq, a.batch, fit=not a.no_fit)
+            rows.append(row)
+            print(f"{spec:10s} compiled for {summary_line(row)}", flush=True)
+        for line in _analytic_lines(program, config, spec, a.hsdp, dcn):
+            print(f"{line}{'  (analytic model)' if compiled and 'chips)' in line else ''}",
+                  flush=True)
+    if compiled:
+        print(f"# compiled: libtpu's program for one chip of the slice (steps of {SAMPLED[0]} and "
+              f"{SAMPLED[1]} layers, "
+              "extrapolated); its roofline leaves out Pallas kernels (attention, added at the "
+              "chip's peak); collectives at the chip's ICI bandwidth, those the schedule runs "
+              "alone exposed")
+    print("# analytic: a model, not a measurement (torchtpu/scaling.py)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(model=a.model, seq=a.seq, batch=a.batch, slices=rows), f, indent=1)
     return 0
 
 
