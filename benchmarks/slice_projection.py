@@ -3,16 +3,18 @@ tpu, recorded as the one program each chip runs) beside the same step written di
 both compiled by libtpu for the slice on this machine (no TPU needed).
 
     python benchmarks/slice_projection.py --model llama-8b --target v5e:16x16 --batch 1 \
-        [--seq 2048] [--fit] [--json FILE]
+        [--seq 2048] [--fit] [--full] [--json FILE] [--dump DIR]
 
-Both steps: fp32 parameters sharded over every chip, bf16 copies all-gathered per block (again
+Both steps: fp32 parameters sharded over every chip, bf16 copies all-gathered per unit (again
 in the backward: activations kept, gathered weights not; where that does not fit, each block's
-activations recomputed too), gradients reduced in float32 and
-reduce-scattered, AdamW on the shards, causal attention by JAX's Pallas flash kernel.  Layers
-are sampled as `python -m torchtpu.scaling` does (steps of 1 and 3 layers compiled, the rest
-extrapolated).  Printed per chip: HBM (and the largest batch that fits, with --fit), the
-compiler's roofline, bytes accessed, collective bytes and how many the schedule overlaps, the
-exposed collective time, step time and utilisation, compile seconds; ours / JAX's.
+activations recomputed too), gradients reduced in float32 and reduce-scattered, AdamW on the
+shards, causal attention by JAX's Pallas flash kernel.  Ours has torchtitan's units (the last
+block and the output not regathered in the backward); JAX's regathers every block.  Layers are
+sampled as `python -m torchtpu.scaling` does (steps of 1 and 3 layers compiled, the rest
+extrapolated), or all compiled (--full).  Printed per chip: HBM (and the largest batch that
+fits, with --fit), the compiler's roofline, bytes accessed, collective bytes and how many the
+schedule overlaps, the exposed collective time, step time and utilisation, compile seconds;
+ours / JAX's.
 """
 import argparse
 import functools
@@ -138,6 +140,7 @@ def main():
     ap.add_argument("--batch", type=int, default=1, help="sequences per chip")
     ap.add_argument("--fit", action="store_true", help="also the largest batch that fits "
                     "(two more compiles each)")
+    ap.add_argument("--full", action="store_true", help="compile every layer, not 1 and 3")
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--dump", help="write each compiled program's TPU-scheduled HLO here")
     a = ap.parse_args()
@@ -146,14 +149,15 @@ def main():
     config = scaling.MODELS[a.model]
     target = scaling.topology_of(a.target)
     print(f"# {a.model} FSDP step, {a.batch} x {a.seq} tokens per chip, compiled for {target} "
-          f"({time.strftime('%Y-%m-%d')}; layers {scaling.SAMPLED} compiled, {config['layers']} "
-          "extrapolated)",
+          f"({time.strftime('%Y-%m-%d')}; "
+          f"{'every layer compiled' if a.full else f'layers {scaling.SAMPLED} compiled, extrapolated'})",
           flush=True)
     rows = {}
     for who, report in (("torchtpu", scaling.fsdp_step_report), ("jax", jax_fsdp_report)):
         if a.dump:
             report = _dumping(report, a.dump, who)
-        row = scaling.compiled_summary(config, target, a.seq, a.batch, fit=a.fit, report=report)
+        row = scaling.compiled_summary(config, target, a.seq, a.batch, fit=a.fit, report=report,
+                                       full=a.full)
         rows[who] = row
         print(f"{who:9s} {scaling.summary_line(row)}", flush=True)
     ours, theirs = rows["torchtpu"], rows["jax"]

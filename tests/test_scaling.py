@@ -113,3 +113,9 @@ def test_the_command_compiles_the_step_for_the_slice(capsys, tmp_path):
     import json
     row, = json.loads(out_json.read_text())["slices"]
     assert row["fits"] and row["largest_batch"] >= 2 and row["step"] > 0
+
+
+def test_full_compiles_every_layer_once():
+    row = scaling.compiled_summary(TINY, "v5e:2x2", 128, 2, fit=False, full=True)
+    assert row["layers_compiled"] == [TINY["layers"]] and row["fits"]
+    assert "largest_batch" not in row and row["step"] >= row["roofline"] > 0

@@ -208,8 +208,8 @@ def fsdp_step_report(config, target, layers, seq, batch, checkpoint=False):
 
 @dataclasses.dataclass
 class Compiled:
-    """What the TPU compiler says of the whole model's step per chip, from the steps of
-    SAMPLED layers (each layer costs the same)."""
+    """What the TPU compiler says of the whole model's step per chip: from the steps of
+    SAMPLED layers (each layer costing the same), or of every layer (`whole`)."""
     target: str
     chips: int
     batch: int
@@ -221,12 +221,14 @@ class Compiled:
     bytes: float
     sent: float         # bytes each chip sends in collectives
     sent_overlapped: float  # of which the schedule overlaps with compute
-    compile_seconds: float  # of the two sampled steps
+    compile_seconds: float  # of the steps compiled
     reports: list = dataclasses.field(default_factory=list, repr=False)
+    whole: bool = False  # every layer compiled (so the compiler, which refuses what does not
+                         # fit its HBM, accepted it: its own count of HBM is not memory_analysis')
 
     @property
     def fits(self):
-        return self.hbm <= self.capacity
+        return self.whole or self.hbm <= self.capacity
 
 
 SAMPLED = (1, 3)  # the layers of the steps compiled
@@ -237,22 +239,29 @@ def _extrapolated(first, last, layers):
     return first + (layers - a) * (last - first) / (b - a)
 
 
-def compiled_cost(config, target, seq, batch, checkpoint=False, report=fsdp_step_report):
+def compiled_cost(config, target, seq, batch, checkpoint=False, report=fsdp_step_report,
+                  full=False):
     """Compiled: the steps of SAMPLED layers compiled for `target` (`report(config, target,
-    layers, seq, batch, checkpoint)`), extrapolated to the model's layers."""
+    layers, seq, batch, checkpoint)`), extrapolated to the model's layers; with `full`, the
+    step of every layer, compiled once."""
     from ._core import tpu_compiler
-    r1, r2 = (report(config, target, n, seq, batch, checkpoint) for n in SAMPLED)
-    for r in (r1, r2):
+    layers = config["layers"]
+    if full:
+        reports = [report(config, target, layers, seq, batch, checkpoint)]
+        r1 = r2 = reports[0]
+    else:
+        reports = [report(config, target, n, seq, batch, checkpoint) for n in SAMPLED]
+        r1, r2 = reports
+    for r in reports:
         if r.error:
             short = re.search(r"temporaries \(([\d.]+)G\) exceeds", r.error)
             if short:
                 raise DoesNotFit(float(short.group(1)) * 2**30, r.error)
             raise RuntimeError(f"the step does not compile for {target}: {r.error}")
-    layers = config["layers"]
     chip = CHIPS[r1.chip]
 
     def x(get):
-        return _extrapolated(get(r1), get(r2), layers)
+        return get(r1) if full else _extrapolated(get(r1), get(r2), layers)
 
     sent = {k: x(lambda r: sum(v[i] for v in r.collective_bytes.values())) for k, i in
             (("sent", 0), ("overlapped", 1))}
@@ -262,7 +271,8 @@ def compiled_cost(config, target, seq, batch, checkpoint=False, report=fsdp_step
                     roofline=x(lambda r: r.optimal_seconds), attention=attention,
                     flops=x(lambda r: r.flops), bytes=x(lambda r: r.bytes_accessed),
                     sent=sent["sent"], sent_overlapped=sent["overlapped"],
-                    compile_seconds=r1.compile_seconds + r2.compile_seconds, reports=[r1, r2])
+                    compile_seconds=sum(r.compile_seconds for r in reports), reports=reports,
+                    whole=full)
 
 
 @dataclasses.dataclass
@@ -297,17 +307,18 @@ class DoesNotFit(RuntimeError):
         self.temporaries = temporaries
 
 
-def largest_batch(config, target, seq, fitted, checkpoint=False, report=fsdp_step_report):
+def largest_batch(config, target, seq, fitted, checkpoint=False, report=fsdp_step_report,
+                  full=False):
     """(the largest batch per chip that fits, Compiled at twice `fitted`'s batch): HBM taken as
     linear in the batch between the two compiles."""
-    doubled = compiled_cost(config, target, seq, 2 * fitted.batch, checkpoint, report)
+    doubled = compiled_cost(config, target, seq, 2 * fitted.batch, checkpoint, report, full)
     per_sequence = (doubled.hbm - fitted.hbm) / fitted.batch
     if per_sequence <= 0:
         return None, doubled
     return int(fitted.batch + (fitted.capacity - fitted.hbm) // per_sequence), doubled
 
 
-def compiled_summary(config, target, seq, batch, fit=True, report=fsdp_step_report):
+def compiled_summary(config, target, seq, batch, fit=True, report=fsdp_step_report, full=False):
     """The figures `python -m torchtpu.scaling` prints for one slice from the compiled step
     (a dict; `summary_line`): HBM per chip and whether it fits (where it does not, whether it
     does with each block's activations checkpointed; with `fit`, the largest batch that fits),
@@ -316,11 +327,12 @@ def compiled_summary(config, target, seq, batch, fit=True, report=fsdp_step_repo
     from ._core import tpu_compiler
     chip = CHIPS[tpu_compiler.CHIPS[tpu_compiler.topology(target)[0].device_kind][0]]
     row = dict(target=target, chips=len(tpu_compiler.topology(target)), batch=batch, seq=seq,
-               checkpointed=False, capacity=chip.hbm)
+               checkpointed=False, capacity=chip.hbm,
+               layers_compiled=[config["layers"]] if full else list(SAMPLED))
     compiled = None
     for checkpoint in (False, True):  # each block's activations kept, else recomputed
         try:
-            attempt = compiled_cost(config, target, seq, batch, checkpoint, report)
+            attempt = compiled_cost(config, target, seq, batch, checkpoint, report, full)
         except DoesNotFit as e:
             if compiled is None:
                 row.update(fits=False, checkpointed=checkpoint, hbm_at_least=e.temporaries)
@@ -341,7 +353,7 @@ def compiled_summary(config, target, seq, batch, fit=True, report=fsdp_step_repo
     if fit and compiled.fits:
         try:
             largest, doubled = largest_batch(config, target, seq, compiled, row["checkpointed"],
-                                             report)
+                                             report, full)
             row["compile_seconds"] += doubled.compile_seconds
         except DoesNotFit:
             largest = batch
@@ -468,6 +480,10 @@ def main(argv=None):
                     help="the analytic model only: formulas, nothing compiled")
     ap.add_argument("--no-fit", action="store_true",
                     help="skip the search for the largest batch that fits (two compiles)")
+    ap.add_argument("--full", action="store_true",
+                    help="compile every layer (minutes per slice) instead of 1 and 3: the "
+                         "compiler schedules within the chip's HBM, so only this settles "
+                         "whether a step that is near it fits")
     ap.add_argument("--json", help="write the compiled figures here")
     a = ap.parse_args(argv)
     config = MODELS[a.model]
@@ -488,18 +504,18 @@ def main(argv=None):
     for spec in slices:
         if compiled:
             target = topology_of(spec)
-            row = compiled_summary(config, target, a.seq, a.batch, fit=not a.no_fit)
+            row = compiled_summary(config, target, a.seq, a.batch, fit=not a.no_fit, full=a.full)
             rows.append(row)
             print(f"{spec:10s} compiled for {summary_line(row)}", flush=True)
         for line in _analytic_lines(program, config, spec, a.hsdp, dcn):
             print(f"{line}{'  (analytic model)' if compiled and 'chips)' in line else ''}",
                   flush=True)
     if compiled:
-        print(f"# compiled: libtpu's program for one chip of the slice (steps of {SAMPLED[0]} and "
-              f"{SAMPLED[1]} layers, "
-              "extrapolated); its roofline leaves out Pallas kernels (attention, added at the "
-              "chip's peak); collectives at the chip's ICI bandwidth, those the schedule runs "
-              "alone exposed")
+        sampled = "every layer" if a.full else \
+            f"steps of {SAMPLED[0]} and {SAMPLED[1]} layers, extrapolated"
+        print(f"# compiled: libtpu's program for one chip of the slice ({sampled}); its "
+              "roofline leaves out Pallas kernels (attention, added at the chip's peak); "
+              "collectives at the chip's ICI bandwidth, those the schedule runs alone exposed")
     print("# analytic: a model, not a measurement (torchtpu/scaling.py)")
     if a.json:
         with open(a.json, "w") as f:
