@@ -68,7 +68,9 @@ def gpt_block(p, q, x, heads):
     return x + _linear(jax.nn.gelu(h, approximate=False), p[q + "fc_out.weight"]) + p[q + "fc_out.bias"]
 
 
-def llama_block(p, q, x, heads, kv_heads):
+def llama_block(p, q, x, heads, kv_heads, attention=_attention):
+    """One Llama block; `attention(q, k, v)` of (B, H, T, D) heads, keys and values repeated
+    to the queries' heads (causal)."""
     B, T, C = x.shape
     kv_dim = C // heads * kv_heads
     h = _linear(_rms_norm(x, p[q + "attn_norm.weight"]), p[q + "qkv.weight"])
@@ -78,7 +80,7 @@ def llama_block(p, q, x, heads, kv_heads):
     positions = jnp.arange(T)
     qh, kh = _rotary(qh, positions), _rotary(kh, positions)
     kh, vh = (jnp.repeat(t, heads // kv_heads, axis=1) for t in (kh, vh))
-    y = _attention(qh, kh, vh).transpose(0, 2, 1, 3).reshape(B, T, C)
+    y = attention(qh, kh, vh).transpose(0, 2, 1, 3).reshape(B, T, C)
     x = x + _linear(y, p[q + "proj.weight"])
     gate, up = jnp.split(_linear(_rms_norm(x, p[q + "mlp_norm.weight"]), p[q + "gate_up.weight"]), 2, -1)
     return x + _linear(jax.nn.silu(gate) * up, p[q + "down.weight"])

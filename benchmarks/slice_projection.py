@@ -65,8 +65,7 @@ def jax_fsdp_report(config, target, layers, seq, batch, checkpoint=False):
 
     gathered.defvjp(gathered_fwd, gathered_bwd)
 
-    def attention(q, k, v):
-        k, v = (jnp.repeat(t, heads // kv_heads, axis=1) for t in (k, v))
+    def attention(q, k, v):  # (keys and values already repeated to the queries' heads)
         return fa.flash_attention(q, k, v, causal=True, sm_scale=1 / np.sqrt(q.shape[-1]))
 
     def block(shards, i, x):
@@ -74,19 +73,7 @@ def jax_fsdp_report(config, target, layers, seq, batch, checkpoint=False):
 
         def run(own, x):
             p = {k: checkpoint_name(gathered(own[k], k), "gathered") for k in own}
-            B, T, C = x.shape
-            kv_dim = C // heads * kv_heads
-            h = jax_models._linear(jax_models._rms_norm(x, p[q + "attn_norm.weight"]), p[q + "qkv.weight"])
-            qh = h[..., :C].reshape(B, T, heads, -1).transpose(0, 2, 1, 3)
-            kh, vh = (h[..., C + j * kv_dim:C + (j + 1) * kv_dim].reshape(B, T, kv_heads, -1)
-                      .transpose(0, 2, 1, 3) for j in range(2))
-            positions = jnp.arange(T)
-            qh, kh = jax_models._rotary(qh, positions), jax_models._rotary(kh, positions)
-            y = attention(qh, kh, vh).transpose(0, 2, 1, 3).reshape(B, T, C)
-            x = x + jax_models._linear(y, p[q + "proj.weight"])
-            gate, up = jnp.split(jax_models._linear(
-                jax_models._rms_norm(x, p[q + "mlp_norm.weight"]), p[q + "gate_up.weight"]), 2, -1)
-            return x + jax_models._linear(jax.nn.silu(gate) * up, p[q + "down.weight"])
+            return jax_models.llama_block(p, q, x, heads, kv_heads, attention)
 
         # FSDP's reshard after forward: the block's weights gathered again in its backward,
         # its activations kept (with `checkpoint`, recomputed too, as torch's

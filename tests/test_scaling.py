@@ -30,7 +30,7 @@ def test_slices_name_their_tpu_topologies():
     assert scaling.topology_of("v6e-64") == "v6e:8x8"
     assert scaling.topology_of("v5p-1024") == "v5p:8x8x8"  # (TensorCores: 512 chips)
     assert scaling.topology_of("v5e:4x4") == "v5e:4x4"
-    assert scaling._slices("v5p:8x8x8") == ("v5p", 1024)
+    assert scaling._chips("v5p:8x8x8") == scaling._chips("v5p-1024") == ("v5p", 512)
     with pytest.raises(ValueError, match="power-of-two"):
         scaling.topology_of("v5e-12")
 

@@ -36,6 +36,7 @@ Neither view ran on a TPU: the compiled one is what libtpu builds and its cost m
 import argparse
 import dataclasses
 import json
+import math
 import re
 import sys
 import time
@@ -119,15 +120,27 @@ def analytic_cost(config, seq, batch):
 
 
 # --- the real FSDP2 step compiled for a slice ---------------------------------------------------
+_TENSORCORE_NAMED = ("v4", "v5p")  # slices named by TensorCores, two per chip
+
+
+def _chips(spec):
+    """(generation, chips) of a slice's name ('v5e-256' -> ('v5e', 256); 'v5p-1024' -> ('v5p',
+    512)) or of a topology ('v5e:16x16' -> ('v5e', 256))."""
+    if ":" in spec:
+        name, _, bounds = spec.partition(":")
+        return name, math.prod(int(b) for b in bounds.split("x"))
+    name, _, n = spec.partition("-")
+    return name, int(n) // 2 if name in _TENSORCORE_NAMED else int(n)
+
+
 def topology_of(spec):
     """A TPU target for libtpu: 'v5e:16x16' as given, or a slice's name ('v5e-256', 'v6e-64';
     v5p's count TensorCores, two per chip: 'v5p-1024' is 512 chips) as the squarest torus of
     its chips (2-D for v5e and v6e, 3-D for v4 and v5p)."""
     if ":" in spec:
         return spec
-    name, n = _slices(spec)
-    chips = n // 2 if name in ("v4", "v5p") else n
-    dims = [1, 1, 1] if name in ("v4", "v5p") else [1, 1]
+    name, chips = _chips(spec)
+    dims = [1, 1, 1] if name in _TENSORCORE_NAMED else [1, 1]
     if chips < 1 or chips & (chips - 1):
         raise ValueError(f"{spec}: a slice of a power-of-two number of chips (got {chips})")
     while chips > 1:
@@ -299,8 +312,8 @@ def scheduled(compiled, chip, model_flops, axes=None):
 
 
 class DoesNotFit(RuntimeError):
-    """The compiler refused the step: its temporaries alone (`temporaries` bytes, of a step of
-    one or two layers) exceed the chip's HBM."""
+    """The compiler refused the step: its temporaries alone (`temporaries` bytes, of one of
+    the steps compiled) exceed the chip's HBM."""
 
     def __init__(self, temporaries, error):
         super().__init__(error)
@@ -325,10 +338,11 @@ def compiled_summary(config, target, seq, batch, fit=True, report=fsdp_step_repo
     the roofline, the collectives' time and what of it the schedule leaves exposed, the step
     time and utilisation."""
     from ._core import tpu_compiler
-    chip = CHIPS[tpu_compiler.CHIPS[tpu_compiler.topology(target)[0].device_kind][0]]
-    row = dict(target=target, chips=len(tpu_compiler.topology(target)), batch=batch, seq=seq,
-               checkpointed=False, capacity=chip.hbm,
-               layers_compiled=[config["layers"]] if full else list(SAMPLED))
+    devices = tpu_compiler.topology(target)
+    name, capacity = tpu_compiler.CHIPS[devices[0].device_kind]  # (the Reports' capacity)
+    chip = CHIPS[name]
+    row = dict(target=target, chips=len(devices), batch=batch, seq=seq, checkpointed=False,
+               capacity=capacity, layers_compiled=[config["layers"]] if full else list(SAMPLED))
     compiled = None
     for checkpoint in (False, True):  # each block's activations kept, else recomputed
         try:
@@ -345,8 +359,7 @@ def compiled_summary(config, target, seq, batch, fit=True, report=fsdp_step_repo
         return row
     model_flops = analytic_cost(config, seq, batch).flops
     s = scheduled(compiled, chip, model_flops)
-    row.update(fits=compiled.fits, hbm=compiled.hbm, capacity=compiled.capacity,
-               roofline=compiled.roofline, attention=compiled.attention, flops=compiled.flops,
+    row.update(fits=compiled.fits, hbm=compiled.hbm, roofline=compiled.roofline, attention=compiled.attention, flops=compiled.flops,
                bytes=compiled.bytes, sent=compiled.sent, sent_overlapped=compiled.sent_overlapped,
                collectives=s.collectives, exposed=s.exposed, step=s.step,
                utilisation=s.utilisation, compile_seconds=compiled.compile_seconds)
@@ -431,22 +444,9 @@ def critical_tokens_per_chip(chip, axes=1, comm_bytes=2, grad_bytes=2):
 
 
 # --- the command --------------------------------------------------------------------------------
-def _slices(spec):
-    """'v5e-256' -> ('v5e', 256); a topology 'v5e:16x16' -> ('v5e', 256)."""
-    if ":" in spec:
-        name, _, bounds = spec.partition(":")
-        n = 1
-        for b in bounds.split("x"):
-            n *= int(b)
-        return name, n * 2 if name in ("v4", "v5p") else n
-    name, _, n = spec.partition("-")
-    return name, int(n)
-
-
 def _analytic_lines(program, config, spec, hsdp, dcn):
-    name, n = _slices(spec)
+    name, n = _chips(spec)
     chip = CHIPS[name]
-    n = n // 2 if name in ("v4", "v5p") else n  # (chips)
     lines = []
     for kind, slices in (("FSDP", 1), ("HSDP", hsdp)) if hsdp > 1 else (("FSDP", 1),):
         p = project(program, chip, n, slices, layers=config["layers"], dcn=dcn)

@@ -418,9 +418,9 @@ def collective_records(text):
     `async_collective_fusion` computation (whose start and done halves are computations of
     their own, ending in AsyncCollectiveStart/Done custom calls, that name the collective
     again, as does each computation of a chain overlapping one collective: not counted twice),
-    or by an async start ... done pair in the entry computation
-    with compute scheduled between them; a collective elsewhere (a plain `all-reduce` in the
-    entry computation, or in a fusion of its own) runs alone."""
+    or by an async start ... done pair in the entry computation with compute scheduled between
+    them; a collective elsewhere (a plain `all-reduce` in the entry computation, or in a fusion
+    of its own) runs alone."""
     records = []
     chains = set()  # the chain_ids of the async collectives counted
     for computation, lines in _computations(text):

@@ -170,30 +170,29 @@ class ProcessGroupTPU(dist.ProcessGroup):
         self._name = str(group_name)
         self._broken = None
         self._programs = 0  # programs over this group's mesh so far (their signatures' keys)
-        if _projected:
-            self._projected_on(_projected[-1], global_ranks)
-            return
-        if not global_ranks:
-            launch.refuse_if_too_late(size)  # before connecting: every rank raises alike
-            launch.configure_tpu_hosts(rank, size)  # (likewise)
-        self._cpu = dist.ProcessGroupGloo(
-            dist.PrefixStore("torchtpu-gloo/", store), rank, size, timeout)
-        if not global_ranks:  # the default (world) group starts JAX's multi-process runtime
-            launch.initialize(store, rank, size, timeout)
-        self._device_ids = self._exchange_devices()
         ranks = list(global_ranks) if global_ranks else list(range(size))
-        self.label = f"{self._name} (ranks {ranks})"
-        # One rank's collectives are the identity: its ops need no program over a mesh.
-        self.mesh = mesh_of(self._device_ids) if size > 1 else None
+        if _projected:
+            self._projected_on(_projected[-1], ranks)
+        else:
+            if not global_ranks:
+                launch.refuse_if_too_late(size)  # before connecting: every rank raises alike
+                launch.configure_tpu_hosts(rank, size)  # (likewise)
+            self._cpu = dist.ProcessGroupGloo(
+                dist.PrefixStore("torchtpu-gloo/", store), rank, size, timeout)
+            if not global_ranks:  # the default (world) group starts JAX's multi-process runtime
+                launch.initialize(store, rank, size, timeout)
+            self._device_ids = self._exchange_devices()
+            self.label = f"{self._name} (ranks {ranks})"
+            # One rank's collectives are the identity: its ops need no program over a mesh.
+            self.mesh = mesh_of(self._device_ids) if size > 1 else None
         collective_ops.install(group_named)
         _groups[self._name] = self
         if self.mesh is not None:
             _by_mesh[self.mesh] = self
 
-    def _projected_on(self, chips, global_ranks):
+    def _projected_on(self, chips, ranks):
         """A group of `projected_world`: its mesh is the target's chips, and it has no peers
         (no gloo side, no JAX multi-process runtime, nothing exchanged)."""
-        ranks = list(global_ranks) if global_ranks else list(range(self._size))
         if max(ranks) >= len(chips):
             raise ValueError(f"a projected group of ranks {ranks[0]}..{ranks[-1]}: the TPU "
                              f"target has {len(chips)} chips")
@@ -201,9 +200,6 @@ class ProcessGroupTPU(dist.ProcessGroup):
         self._device_ids = ()
         self.label = f"{self._name} (ranks {ranks}, projected)"
         self.mesh = Mesh(np.array([chips[r] for r in ranks], dtype=object), (spmd.AXIS,))
-        collective_ops.install(group_named)
-        _groups[self._name] = self
-        _by_mesh[self.mesh] = self
 
     # --- the group's devices ------------------------------------------------------------
     def _exchange_devices(self):

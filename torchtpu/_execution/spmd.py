@@ -317,13 +317,13 @@ class Program:
     def _global(self, args):
         """(the previous program's marker, *args), as global arrays."""
         sharding = self.sharding
-        leaves = jax.tree_util.tree_leaves(args)
-        device = next((next(iter(a.devices())) for a in leaves if isinstance(a, jax.Array)),
-                      None)
         if self.projected:  # its values described (ProcessGroupTPU's projected world)
             return jax.tree_util.tree_map(
                 lambda a: to_global(_as_described(a), sharding),
                 (jax.ShapeDtypeStruct((), np.float32), *args))
+        leaves = jax.tree_util.tree_leaves(args)
+        device = next((next(iter(a.devices())) for a in leaves if isinstance(a, jax.Array)),
+                      None)
         after = _previous.get(device)
         if after is None:
             after = _previous[device] = jax.device_put(np.float32(0), device)

@@ -2,8 +2,9 @@
 
 The forward is one Pallas kernel over blocks of rows (compiled by Mosaic for a TPU; run by
 Pallas' interpreter in a CPU program: `interpret=` asks the platform of the program being
-built, so a TPU target compiled for here gets the kernel).  Pallas kernels have no automatic derivative, so the backward is given explicitly, in
-plain JAX.  `RMSNorm` is the nn.Module using it.
+built, so a TPU target compiled for here gets the kernel).  Pallas kernels have no automatic
+derivative, so the backward is given explicitly, in plain JAX.  `RMSNorm` is the nn.Module
+using it.
 """
 import functools
 import math
