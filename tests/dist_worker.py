@@ -352,6 +352,10 @@ def scenario_training():
 
     dist.init_process_group("tpu")
     r, n = dist.get_rank(), dist.get_world_size()
+    per_parameter = bool(os.environ.get("TORCHTPU_TEST_FSDP_PER_PARAMETER"))
+    if per_parameter:  # FSDP2's collectives one per parameter, as on a TPU mesh (fsdp.py)
+        from torchtpu._distributed import fsdp
+        fsdp._on_tpu = lambda group: group is not None
     data = batches(6, 4 * n)  # (steps 3-5 are checked steady)
     full_bytes = param_bytes(make_model())
     trained = {}  # what -> losses, averaged over the ranks: the same on every rank
@@ -388,6 +392,8 @@ def scenario_training():
         fully_shard(model, mp_policy=policy)
         mixed = train_sharded(model, data[:3], r, n)
     dist.destroy_process_group()
+    counted = [torchtpu.metrics().get(f"fsdp_{k}_per_parameter", 0) for k in ("gathers", "reduces")]
+    assert all(counted) if per_parameter else not any(counted), counted
 
     # Against one process training the same batches, on one rank: the others are done.
     if r == 0:

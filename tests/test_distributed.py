@@ -93,13 +93,15 @@ def test_each_rank_on_tpu_local_rank_of_a_shared_host():
     assert_passed(launch("dtensor", 2, devices_per_process=2), "dtensor")
 
 
-@pytest.mark.parametrize("mode", ["strict", "fused", "reduce-overhead"])
+@pytest.mark.parametrize("mode", ["strict", "fused", "reduce-overhead", "strict-per-parameter"])
 def test_ddp_and_fsdp2_train_like_one_process(mode):
     # In every mode, with the collectives in the step's programs: a steady step builds nothing
     # and never waits; fused eager runs it as 2 executables, reduce-overhead as 1 (the
-    # worker's check_steady).
+    # worker's check_steady).  Per parameter: FSDP2's all-gathers and reduce-scatters one per
+    # parameter, as on a TPU mesh (_distributed/fsdp.py), with FSDP2's values.
     env = {"fused": {"TORCH_TPU_DEFER_AND_FUSE": "1"},
-           "reduce-overhead": {"TORCHTPU_TEST_STEP": "onestep"}}.get(mode, {})
+           "reduce-overhead": {"TORCHTPU_TEST_STEP": "onestep"},
+           "strict-per-parameter": {"TORCHTPU_TEST_FSDP_PER_PARAMETER": "1"}}.get(mode, {})
     results = launch("training", 2, env=env)
     assert_passed(results, "training")
     # FSDP2 keeps about 1/N of the parameters on each rank.

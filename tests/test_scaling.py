@@ -49,14 +49,16 @@ def test_the_fsdp2_step_is_compiled_for_the_slice_with_its_collectives(tiny_step
     layers = max(tiny_step)
     report = tiny_step[layers]
     assert not report.error, report.error
-    # What FSDP2 issues, with torchtitan's units: each unit's all-gather (the embedding, the
-    # blocks and the output in the forward, all blocks but the last again in the backward) and a
-    # reduce-scatter per unit, which libtpu compiles as all-reduces (JAX's own FSDP step's
-    # too, and combines them in a step this small); its all-gathers stay all-gathers (FSDP2's
-    # padded shards are gathered in whole tiles, not as an all-reduce of the whole), and the
-    # schedule overlaps some with compute.
+    # What FSDP2 issues, with torchtitan's units (the embedding, the blocks and the output
+    # gathered in the forward, all blocks but the last again in the backward), on a TPU mesh
+    # one all-gather and one reduce-scatter per parameter (_distributed/fsdp.py), the
+    # reduce-scatters compiled by libtpu as all-reduces (JAX's own FSDP step's too, combined in
+    # a step this small); the schedule overlaps some all-gathers with compute.
     count, overlapped = report.collectives["all-gather"]
-    assert count >= 2 * layers + 1 and overlapped >= 1, report.collectives
+    assert count >= 6 * layers and overlapped >= 3, report.collectives
+    # No copy into or out of a unit's gathered buffer (FSDP2's copy-in and copy-out made 38
+    # dynamic-update-slices of this step; what is left are attention's, two per layer).
+    assert report.text.count("dynamic-update-slice(") <= 2 * layers
     assert set(report.collectives) <= {"all-gather", "all-reduce", "reduce-scatter"}
     # The unsharded parameters and the gather/scatter buffers are the program's temporaries:
     # its inputs are the shards, AdamW's state and the tokens (about 3 x 4 bytes x 105k

@@ -243,27 +243,6 @@ def test_an_fsdp_all_gather_of_any_length_stays_an_all_gather_on_tpu():
     assert ours.collective_bytes["all-gather"][0] < raw.collective_bytes["all-reduce"][0] / 1.7
 
 
-def test_an_fsdp_reduce_scatter_is_reduced_as_rows_on_tpu():
-    """FSDP2 reduce-scatters the (ranks, k) concatenation of a unit's gradients, seen flat; as
-    rows it is not first copied into a flat array's layout."""
-    from jax import lax
-    from torchtpu._distributed import collective_ops
-    from torchtpu._execution import spmd
-
-    def grads(a, b):  # _chunk_cat of two gradients in float32, as FSDP2's reduce_dtype
-        n = lax.axis_size(spmd.AXIS)
-        a, b = (t * lax.axis_index(spmd.AXIS).astype(t.dtype) for t in (a, b))  # (per chip)
-        return jnp.concatenate([a.astype(jnp.float32).reshape(n, -1),
-                                b.astype(jnp.float32).reshape(n, -1)], 1).reshape(-1)
-
-    shapes = [(16 * 1024 * 1000,)] * 2  # each chip's whole gradients, 16M parameters
-    flat = _fsdp_collective(lambda a, b: lax.psum_scatter(grads(a, b), spmd.AXIS, tiled=True),
-                            shapes, "v5e:4x4", whole=True)
-    ours = _fsdp_collective(lambda a, b: collective_ops._reduce_scatter(grads(a, b), "sum"),
-                            shapes, "v5e:4x4", whole=True)
-    assert ours.temp_bytes < flat.temp_bytes and ours.bytes_accessed < flat.bytes_accessed
-
-
 def test_unknown_targets_and_bad_names_raise_value_error():
     with pytest.raises(ValueError, match="v5e:1x1"):
         torch.tpu.compile_for("v5e")

@@ -75,16 +75,7 @@ def _all_reduce(x, op):
 def _reduce_scatter(x, op):
     """x: (n * k, ...) -> this rank's reduced k rows; rank j gets the j-th block."""
     if op in ("sum", "avg") and x.dtype != jnp.bool_:
-        if x.ndim == 1 and runtime.program_platform() == "tpu":
-            # As (ranks, k): FSDP2's input is the (ranks, k) concatenation of a unit's gradients
-            # (_chunk_cat) seen flat, and a flat array on TPU is laid out otherwise (tiles of
-            # 1024 elements, not 8 x 128): reduced flat, it was copied whole first (the root
-            # unit's float32 gradients of an 8B Llama: 13.7 GiB of temporaries, 9.8 as rows).
-            n = lax.axis_size(AXIS)
-            out = lax.psum_scatter(x.reshape(n, -1), AXIS, scatter_dimension=0, tiled=True)
-            out = out.reshape(-1)
-        else:
-            out = lax.psum_scatter(x, AXIS, scatter_dimension=0, tiled=True)
+        out = lax.psum_scatter(x, AXIS, scatter_dimension=0, tiled=True)
         return out if op == "sum" else (out / lax.axis_size(AXIS)).astype(x.dtype)
     n = lax.axis_size(AXIS)
     chunks = x.reshape(n, x.shape[0] // n, *x.shape[1:])

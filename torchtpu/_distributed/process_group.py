@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 
 from .._core import metrics, runtime
 from .._execution import spmd, sync
-from . import collective_ops, launch
+from . import collective_ops, fsdp, launch
 
 _F = torch.ops._c10d_functional
 _REDUCE_OPS = {
@@ -186,6 +186,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
             # One rank's collectives are the identity: its ops need no program over a mesh.
             self.mesh = mesh_of(self._device_ids) if size > 1 else None
         collective_ops.install(group_named)
+        fsdp.install(group_named)
         _groups[self._name] = self
         if self.mesh is not None:
             _by_mesh[self.mesh] = self

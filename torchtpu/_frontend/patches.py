@@ -21,7 +21,7 @@ import torchtpu_autoload
 
 from .._compile import backend, cache, step
 from .._core import runtime, storage
-from .._distributed import launch
+from .._distributed import fsdp, launch
 from .._execution import flex_attention_kernels, fused, optimizer_state, tpu_graphs, views
 from . import current, torch_tpu
 
@@ -235,6 +235,14 @@ PATCHES = [
           "their state on the device (capturable, as Dynamo makes a compiled step's), so the "
           "step can be captured", step.capturable_optimizers,
           "_compile/step.py, around each eager warm-up call (the hook is removed after it)"),
+    Patch(tuple(f"torch.distributed.fsdp._fully_shard._fsdp_param_group.{name}" for name in
+                ("foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce")),
+          "on a group over TPU chips, FSDP2 gathers and reduce-scatters each parameter on its "
+          "own: its one buffer per unit, copied in and out column by column, compiled on TPU "
+          "to relayout loops over the whole unit (more bytes, temporaries, 4x the compile "
+          "time); FSDP2's own functions run everywhere else", fsdp.install,
+          "_distributed/process_group.py, when a tpu process group is made (FSDP2 needs one; "
+          "importing FSDP2 earlier would cost every start-up)"),
     Patch(("jax.config.jax_cpu_collectives_implementation", "os.environ XLA_FLAGS"),
           "cross-process collectives on the CPU run on gloo; and --xla_cpu_enable_concurrency_"
           "optimized_scheduler=false (unless XLA_FLAGS names it): that scheduler ordered "
