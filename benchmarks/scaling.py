@@ -37,7 +37,8 @@ Variants (rank processes use one CPU JAX device each, gloo underneath):
 With `--target v5e:2x2` (libtpu installed, no TPU needed) it times nothing: each 2-rank job's
 steady step is compiled for the first 2 chips of that TPU topology, and what the TPU compiler
 says of each program is printed (HBM per chip, roofline, bytes, collectives and how many of
-them overlap compute, compile seconds), the FSDP variants' beside JAX's:
+them overlap compute, compile seconds), the FSDP variants' beside JAX's (FSDP2's collectives
+one per parameter, as a job on the TPU's own mesh issues them: TORCHTPU_FSDP_PER_PARAMETER=1):
 
     python benchmarks/scaling.py --target v5e:2x2 --models gpt \
         --variants tpu-fsdp-fused,tpu-fsdp-onestep,jax-fsdp
@@ -85,6 +86,8 @@ def _launch(variant, model, world, cores, steps, timeout, target=None):
         env.setdefault("TORCHTPU_CACHE_DIR", "")  # cold programs, as a first run builds them
         if variant == "tpu-fsdp-fused-split":
             env["TORCHTPU_COLLECTIVES_IN_PROGRAM"] = "0"
+        if target:  # FSDP2's collectives as on the target's TPU mesh (_distributed/fsdp.py)
+            env.setdefault("TORCHTPU_FSDP_PER_PARAMETER", "1")
         cmd = ["taskset", "-c", str(cores[r]), sys.executable, __file__, "--worker", variant,
                "--model", model, "--steps", str(steps)] + (["--target", target] if target else [])
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,

@@ -81,7 +81,6 @@ def main():
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    import torchtpu  # noqa: F401
     from torchtpu import scaling
     from torchtpu._core import tpu_compiler
     chips = tpu_compiler.topology(a.target)

@@ -352,10 +352,8 @@ def scenario_training():
 
     dist.init_process_group("tpu")
     r, n = dist.get_rank(), dist.get_world_size()
-    per_parameter = bool(os.environ.get("TORCHTPU_TEST_FSDP_PER_PARAMETER"))
-    if per_parameter:  # FSDP2's collectives one per parameter, as on a TPU mesh (fsdp.py)
-        from torchtpu._distributed import fsdp
-        fsdp._on_tpu = lambda group: group is not None
+    # FSDP2's collectives one per parameter, as on a TPU mesh (_distributed/fsdp.py)
+    per_parameter = os.environ.get("TORCHTPU_FSDP_PER_PARAMETER") == "1"
     data = batches(6, 4 * n)  # (steps 3-5 are checked steady)
     full_bytes = param_bytes(make_model())
     trained = {}  # what -> losses, averaged over the ranks: the same on every rank

@@ -101,7 +101,7 @@ def test_ddp_and_fsdp2_train_like_one_process(mode):
     # parameter, as on a TPU mesh (_distributed/fsdp.py), with FSDP2's values.
     env = {"fused": {"TORCH_TPU_DEFER_AND_FUSE": "1"},
            "reduce-overhead": {"TORCHTPU_TEST_STEP": "onestep"},
-           "strict-per-parameter": {"TORCHTPU_TEST_FSDP_PER_PARAMETER": "1"}}.get(mode, {})
+           "strict-per-parameter": {"TORCHTPU_FSDP_PER_PARAMETER": "1"}}.get(mode, {})
     results = launch("training", 2, env=env)
     assert_passed(results, "training")
     # FSDP2 keeps about 1/N of the parameters on each rank.

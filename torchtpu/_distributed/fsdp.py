@@ -21,6 +21,8 @@ collective per unit.
 Parameters FSDP2 shards on a dimension other than 0, and units with a custom all-gather
 (`set_custom_all_gather`), keep FSDP2's all-gather; `_reduce` says which reductions keep
 FSDP2's."""
+import os
+
 import torch
 
 from .._core import metrics
@@ -57,13 +59,18 @@ def _gather_per_parameter(fsdp_params, group, all_gather_comm):
 
 
 def _on_tpu(group):
-    """Whether `group` is a tpu group over TPU chips (tests make it answer yes on the CPU)."""
+    """Whether FSDP2's collectives over `group` go per parameter: a tpu group over TPU chips,
+    unless TORCHTPU_FSDP_PER_PARAMETER says otherwise ("1": every tpu group, as benchmarks
+    compiling a CPU job's programs for a TPU target want; "0": none)."""
     if group is None:
         return False
     try:
         mesh = _group(group).mesh
     except RuntimeError:  # not a tpu group
         return False
+    setting = os.environ.get("TORCHTPU_FSDP_PER_PARAMETER", "auto")
+    if setting in ("0", "1"):
+        return setting == "1"
     return mesh is not None and next(iter(mesh.devices.flat)).platform == "tpu"
 
 
