@@ -210,11 +210,14 @@ def _patch_accelerate(state):
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds `accelerate.state` through the other finders and patches it once it has run
-    (`import torch` must not import accelerate)."""
+    """Finds module `name` through the other finders and calls `patch(module)` once it has run
+    (for modules a patch must not import: `import torch` must not import accelerate)."""
+
+    def __init__(self, name, patch):
+        self.name, self.patch = name, patch
 
     def find_spec(self, name, path, target=None):
-        if name != _ACCELERATE:
+        if name != self.name:
             return None
         sys.meta_path.remove(self)  # one module, once: the finder's work is done either way
         spec = importlib.util.find_spec(name)
@@ -223,17 +226,22 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
             def exec_module(module):
                 run(module)
-                _patch_accelerate(module)
+                self.patch(module)
 
             spec.loader.exec_module = exec_module
         return spec
 
 
+def patch_on_import(name, patch):
+    """`patch(module)` of module `name` now if it is imported, else when it is."""
+    if name in sys.modules:
+        patch(sys.modules[name])
+    elif not any(isinstance(f, _PatchOnImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport(name, patch))
+
+
 def _install_accelerate_hook():
-    if _ACCELERATE in sys.modules:
-        _patch_accelerate(sys.modules[_ACCELERATE])
-    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
+    patch_on_import(_ACCELERATE, _patch_accelerate)
 
 
 def install():

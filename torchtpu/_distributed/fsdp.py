@@ -21,31 +21,42 @@ collective per unit.
 Parameters FSDP2 shards on a dimension other than 0, and units with a custom all-gather
 (`set_custom_all_gather`), keep FSDP2's all-gather; `_reduce` says which reductions keep
 FSDP2's."""
+import inspect
 import os
 
 import torch
 
+import torchtpu_autoload
+
 from .._core import metrics
 
 _originals = {}
+_reduce_signature = None  # FSDP2's foreach_reduce's, read once
 _group = None  # a c10d group -> its ProcessGroupTPU (process_group.group_named, given to install)
+_GROUP_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
 
 
 def install(group_named):
     """Route FSDP2's unit all-gather and its copy-out through `_all_gather` / `_copy_out`
     and its reduce-scatter through `_reduce` (patches.PATCHES: applied when the first tpu
-    process group is made)."""
+    process group is made, or, if FSDP2 is not imported yet, when it is: importing it here
+    would import and register more of torch.distributed than the job asked for)."""
     global _group
     _group = group_named
+    torchtpu_autoload.patch_on_import(_GROUP_MODULE, _patch)
+
+
+def _patch(group_module):
+    global _reduce_signature
     if _originals:
         return
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
     for name, new in (("foreach_all_gather", _all_gather),
                       ("foreach_all_gather_copy_out", _copy_out),
                       ("foreach_reduce", _reduce)):
         _originals[name] = getattr(group_module, name)
         new._torchtpu_patch = True
         setattr(group_module, name, new)
+    _reduce_signature = inspect.signature(_originals["foreach_reduce"])
 
 
 def _gather_per_parameter(fsdp_params, group, all_gather_comm):
@@ -55,10 +66,10 @@ def _gather_per_parameter(fsdp_params, group, all_gather_comm):
         return False
     if any(p.fsdp_placement.dim != 0 for p in fsdp_params):
         return False
-    return _on_tpu(group)
+    return _per_parameter_over(group)
 
 
-def _on_tpu(group):
+def _per_parameter_over(group):
     """Whether FSDP2's collectives over `group` go per parameter: a tpu group over TPU chips,
     unless TORCHTPU_FSDP_PER_PARAMETER says otherwise ("1": every tpu group, as benchmarks
     compiling a CPU job's programs for a TPU target want; "0": none)."""
@@ -137,12 +148,9 @@ def _reduce(fsdp_params, unsharded_grads, *args, **kwargs):
 
 
 def _reduce_per_parameter(fsdp_params, args, kwargs):
-    import inspect
-
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
     try:
-        bound = inspect.signature(_originals["foreach_reduce"]).bind(
-            fsdp_params, [], *args, **kwargs).arguments
+        bound = _reduce_signature.bind(fsdp_params, [], *args, **kwargs).arguments
     except TypeError:
         return False
     known = ("reduce_scatter_group", "reduce_scatter_comm", "all_reduce_group", "all_reduce_hook")
@@ -151,4 +159,4 @@ def _reduce_per_parameter(fsdp_params, args, kwargs):
     return (bound["all_reduce_group"] is None and bound["all_reduce_hook"] is None
             and type(bound["reduce_scatter_comm"]) is DefaultReduceScatter
             and not any(p.offload_to_cpu for p in fsdp_params)
-            and _on_tpu(bound["reduce_scatter_group"]))
+            and _per_parameter_over(bound["reduce_scatter_group"]))

@@ -236,13 +236,15 @@ PATCHES = [
           "step can be captured", step.capturable_optimizers,
           "_compile/step.py, around each eager warm-up call (the hook is removed after it)"),
     Patch(tuple(f"torch.distributed.fsdp._fully_shard._fsdp_param_group.{name}" for name in
-                ("foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce")),
+                ("foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce"))
+          + ("sys.meta_path",),
           "on a group over TPU chips, FSDP2 gathers and reduce-scatters each parameter on its "
           "own: its one buffer per unit, copied in and out column by column, compiled on TPU "
           "to relayout loops over the whole unit (more bytes, temporaries, 4x the compile "
           "time); FSDP2's own functions run everywhere else", fsdp.install,
-          "_distributed/process_group.py, when a tpu process group is made (FSDP2 needs one; "
-          "importing FSDP2 earlier would cost every start-up)"),
+          "_distributed/process_group.py, when a tpu process group is made (FSDP2 needs one), "
+          "or by a sys.meta_path finder when FSDP2 is imported after it (importing it there "
+          "would import and register more of torch.distributed than the job uses)"),
     Patch(("jax.config.jax_cpu_collectives_implementation", "os.environ XLA_FLAGS"),
           "cross-process collectives on the CPU run on gloo; and --xla_cpu_enable_concurrency_"
           "optimized_scheduler=false (unless XLA_FLAGS names it): that scheduler ordered "
