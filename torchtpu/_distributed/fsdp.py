@@ -7,8 +7,8 @@ copied out of its (ranks, total) view column by column into each parameter's sto
 (copy-out).  On a GPU those copies are cheap kernels.  XLA:TPU lays a flat array out in tiles of
 1,024 elements and a (ranks, n) array in tiles of 8 x 128, so the copy-out becomes relayout
 loops over the whole unit, and a unit's gathered buffer is a temporary beside its parameters.
-Measured with libtpu 0.0.42.1 on v5e:2x2 for the parameters of one Llama-1B block: 28-31 s of
-compile and 232 MiB of temporaries, against 2.6 s and 0.8 MiB (4 of its 9 all-gathers
+Measured with libtpu 0.0.42.1 on v5e:2x2 for the parameters of one Llama-1B block: 28-37 s of
+compile and 232 MiB of temporaries, against 2.6-4.6 s and 0.8 MiB (4 of its 9 all-gathers
 overlapped) gathered per parameter (benchmarks/tpu_fsdp_gather.py).  So on a group whose mesh
 is TPU chips (a real slice, or one `projected_world` compiles for), every parameter's all-gather
 input is gathered straight into that parameter's all-gather output: no copy-in, no copy-out,
