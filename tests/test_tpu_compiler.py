@@ -243,6 +243,28 @@ def test_an_fsdp_all_gather_of_any_length_stays_an_all_gather_on_tpu():
     assert ours.collective_bytes["all-gather"][0] < raw.collective_bytes["all-reduce"][0] / 1.7
 
 
+def test_the_roofline_adds_back_the_calls_libtpu_costs_as_minus_one_second():
+    """libtpu's optimal_seconds counts each of these custom calls as -1 s: on v6e the pair that
+    starts a scatter offloaded to the SparseCore (JAX's 8B FSDP step: -1.96 s for one layer)."""
+    import types
+    text = """HloModule m
+
+ENTRY %main (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %prepare_start = s32[]{:S(2)} custom-call(), custom_call_target="PrepareAsyncCallStart"
+  %prepare_done = token[] custom-call(%prepare_start), custom_call_target="PrepareAsyncCallDone"
+  ROOT %split = u32[8]{0} custom-call(%p), custom_call_target="X64SplitLow"
+}
+"""
+    memory = types.SimpleNamespace(argument_size_in_bytes=32, output_size_in_bytes=32,
+                                   alias_size_in_bytes=0, temp_size_in_bytes=0)
+    compiled = types.SimpleNamespace(
+        as_text=lambda: text, cost_analysis=lambda: {"optimal_seconds": -3 + 0.04, "flops": 1.0},
+        memory_analysis=lambda: memory, out_info=())
+    r = tpu_compiler.read(compiled, tpu_compiler.Report("stub", "v6e:1x1"))
+    assert r.optimal_seconds == pytest.approx(0.04) and r.x64_calls == 1
+
+
 def test_unknown_targets_and_bad_names_raise_value_error():
     with pytest.raises(ValueError, match="v5e:1x1"):
         torch.tpu.compile_for("v5e")

@@ -14,9 +14,11 @@ target too (executables.Executable calls `alongside`).
 Facts of libtpu 0.0.42 (jax 0.10.2) this relies on, measured here:
 - a 1x1 slice needs `chips_per_host_bounds=[1, 1, 1]`;
 - `optimal_seconds` counts every `X64Split*`/`X64Combine`/`ConcatBitcast` custom call as -1 s
-  (a program with 3 of them and nothing else reports -3.0); they are added back, which leaves
-  the roofline of a program with n of them precise to about n x 0.5 us (a float32's rounding
-  at n seconds);
+  (a program with 3 of them and nothing else reports -3.0), and on v6e the
+  `PrepareAsyncCallStart`/`Done` pair around a scatter offloaded to the SparseCore (JAX's
+  8B FSDP step, one layer: -1.96 s); they are added back, which leaves the roofline of a
+  program with n of them precise to about n x 0.5 us (a float32's rounding at n seconds), and
+  the offloaded scatter uncosted;
 - of a `conditional` it costs only the first branch (its -1 s calls too; measured: a fused
   FSDP2 segment's entry, first and second branch hold 8, 2 and 5 such calls, and it counted
   10): a program whose work sits in another branch reports little more than its entry's
@@ -48,7 +50,8 @@ CHIPS = {
 }
 # Custom calls libtpu's cost model counts as -1 s each (see above): 64-bit integer emulation
 # and the bitcast that concatenates a sliced copy.
-_NEGATIVE_COST_CALLS = ("X64SplitLow", "X64SplitHigh", "X64Combine", "ConcatBitcast")
+_NEGATIVE_COST_CALLS = ("X64SplitLow", "X64SplitHigh", "X64Combine", "ConcatBitcast",
+                        "PrepareAsyncCallStart", "PrepareAsyncCallDone")
 _COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
 
