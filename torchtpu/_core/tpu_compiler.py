@@ -48,8 +48,9 @@ CHIPS = {
     "TPU v5": ("v5p", 95 * 2**30),
     "TPU v6 lite": ("v6e", 32 * 2**30),
 }
-# Custom calls libtpu's cost model counts as -1 s each (see above): 64-bit integer emulation
-# and the bitcast that concatenates a sliced copy.
+# Custom calls libtpu's cost model counts as -1 s each (see above): 64-bit integer emulation,
+# the bitcast that concatenates a sliced copy, and the pair that starts a scatter offloaded to
+# v6e's SparseCore.
 _NEGATIVE_COST_CALLS = ("X64SplitLow", "X64SplitHigh", "X64Combine", "ConcatBitcast",
                         "PrepareAsyncCallStart", "PrepareAsyncCallDone")
 _COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")

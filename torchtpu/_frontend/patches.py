@@ -240,8 +240,8 @@ PATCHES = [
           + ("sys.meta_path",),
           "on a group over TPU chips, FSDP2 gathers and reduce-scatters each parameter on its "
           "own: its one buffer per unit, copied in and out column by column, compiled on TPU "
-          "to relayout loops over the whole unit (more bytes, temporaries, 4x the compile "
-          "time); FSDP2's own functions run everywhere else", fsdp.install,
+          "to relayout loops over the whole unit (one Llama-1B layer's step on v5e:2x2: 45.6 "
+          "against 34.9 GB, compile 78 against 36 s); FSDP2's own functions run everywhere else", fsdp.install,
           "_distributed/process_group.py, when a tpu process group is made (FSDP2 needs one), "
           "or by a sys.meta_path finder when FSDP2 is imported after it (importing it there "
           "would import and register more of torch.distributed than the job uses)"),
