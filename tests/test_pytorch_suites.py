@@ -50,7 +50,7 @@ def test_names():
     assert not ps.keep_test("test_x_tpu_int64", True) and ps.keep_test("test_x_tpu_int64", False)
     assert ps.excluded("NotImplementedError: The operator 'aten::quantize_per_tensor.default' is "
                        "not implemented for the tpu device") == "quantized"
-    assert ps.excluded("TypeError: dtype torch.complex32 is not supported") == "complex32"
+    assert ps.excluded("RuntimeError: dtype torch.complex32 is not supported") == "complex32"
     assert ps.excluded("The operator 'aten::_to_sparse.default' is not implemented") == "sparse"
     assert ps.excluded("AssertionError: Tensor-likes are not close!") is None
 

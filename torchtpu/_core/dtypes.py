@@ -31,7 +31,9 @@ def to_jax_dtype(dtype):
     try:
         return _TORCH_TO_JAX[dtype]
     except KeyError:
-        raise TypeError(f"dtype {dtype} is not supported on the tpu device") from None
+        # A RuntimeError, as PyTorch's kernels raise for a dtype they lack ("not implemented for
+        # 'ComplexHalf'"): a TypeError inside `tensor * 1j` becomes Python's "unsupported operand".
+        raise RuntimeError(f"dtype {dtype} is not supported on the tpu device") from None
 
 
 def to_torch_dtype(jdtype):

@@ -13,8 +13,22 @@ from .transfer import to_host
 _warned = set()
 
 
+def sparse_unsupported(op, *args, **kwargs):
+    """Every op on a sparse tpu tensor (the SparsePrivateUse1 and SparseCsrPrivateUse1 keys),
+    and every conversion of a tpu tensor to a sparse layout: one error that says what to do,
+    instead of the dispatcher's "Could not run ... from the 'Sparsetpu' backend"."""
+    name = f"{op._schema.name}.{op._schema.overload_name or 'default'}"
+    raise NotImplementedError(
+        f"Sparse tensors are not supported on the tpu device ('{name}'): torchtpu holds dense "
+        "arrays only. Keep sparse tensors on the CPU, or use the dense equivalent "
+        "(index_add_/scatter_add_ for message passing, nn.Embedding(sparse=False)); "
+        "see docs/pytorch_test_suites.md.")
+
+
 def _fallback(op, *args, **kwargs):
     name = f"{op._schema.name}.{op._schema.overload_name or 'default'}"
+    if "sparse" in op._schema.name:  # _to_sparse, _to_sparse_csr...: the CPU's result cannot come back
+        sparse_unsupported(op, *args, **kwargs)
     if not getattr(torch.tpu, "enable_cpu_fallback", False):
         raise NotImplementedError(
             f"The operator '{name}' is not implemented for the tpu device. "
