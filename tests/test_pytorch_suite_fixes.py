@@ -266,9 +266,79 @@ CASES = {
                                            out=torch.empty(0, dtype=torch.int32, device=d)),
     "all_out_uint8": lambda d: torch.all(torch.ones(3, device=d),
                                          out=torch.empty(0, dtype=torch.uint8, device=d)),
+    # A view of a one-element storage (strided._plan split it into no dims at all).
+    "cartesian_prod_one_element_input": lambda d: torch.cartesian_prod(
+        torch.tensor([1], device=d), torch.tensor([1, 2, 3], device=d), torch.tensor([1, 2], device=d)),
+    "arange_size_overflow": lambda d: torch.arange(1.175494351e-38, 3.402823466e+38, device=d),
+    # Creation: random_(from, None) up to a floating type's largest exact integer, randint's
+    # dtype check, repeat_interleave's checks, complex linspace by the CPU kernel's formula.
+    "random_from_full_range_bfloat16": lambda d: torch.empty(
+        2000, dtype=torch.bfloat16, device=d).random_(-256, None).double().aminmax().max > 200,
+    "random_from_full_range_float64": lambda d: torch.empty(
+        2000, dtype=torch.float64, device=d).random_(-2 ** 53, None).max() > 2 ** 52,
+    "randint_complex": lambda d: torch.randint(6, (2,), dtype=torch.complex64, device=d),
+    "repeat_interleave_2d_repeats": lambda d: torch.repeat_interleave(
+        torch.arange(4, device=d).reshape(2, 2)),
+    "repeat_interleave_float_repeats": lambda d: torch.repeat_interleave(torch.arange(4.0, device=d)),
+    "linspace_complex128": lambda d: torch.linspace(-100, 100 + 1j, 401, dtype=torch.complex128, device=d),
+    # Scatter/segment reductions: max/min identities, amax/amin, the host-side segment checks,
+    # and max's gradient to a NaN result.
+    "scatter_reduce_amax_without_self": lambda d: torch.zeros(3, device=d).scatter_reduce_(
+        0, torch.tensor([0, 0, 1, 1, 2, 2], device=d),
+        torch.tensor([1, float("nan"), -float("inf"), -float("inf"), 2, float("inf")], device=d),
+        "amax", include_self=False),
+    "scatter_reduce_amin_without_self": lambda d: torch.zeros(2, device=d).scatter_reduce_(
+        0, torch.tensor([0, 0, 1], device=d), torch.tensor([float("inf"), float("inf"), 1.0], device=d),
+        "amin", include_self=False),
+    "segment_reduce_amax": lambda d: torch._segment_reduce(
+        torch.tensor([1.0, 5.0, 3.0], device=d), "amax", lengths=torch.tensor([1, 2], device=d)),
+    "segment_reduce_lengths_not_summing": lambda d: torch._segment_reduce(
+        torch.arange(6.0, device=d), "sum", lengths=torch.tensor([0, 2, 3, 0], device=d), unsafe=False),
+    "segment_reduce_negative_length": lambda d: torch._segment_reduce(
+        torch.arange(6.0, device=d), "sum", lengths=torch.tensor([1, -2, 4, 3], device=d), unsafe=False),
+    "segment_reduce_max_grad_nan": lambda d: _segment_max_grad(d),
 }
+
+
+def _segment_max_grad(d):
+    data = torch.tensor([1, float("nan"), 3, 4, 5, 5], device=d, requires_grad=True)
+    out = torch._segment_reduce(data, "max", lengths=torch.tensor([1, 2, 3, 0], device=d), initial=0)
+    out.sum().backward()
+    return out, data.grad
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_behaves_as_on_the_cpu(case):
     same_on_both(CASES[case])
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, 0]]), torch.ones(2), (2, 2), device="tpu"),
+    lambda: torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, 0]]), torch.ones(2), (2, 2)).to("tpu"),
+    lambda: torch.ones(2, 2, device="tpu").to_sparse(),
+    lambda: torch.ones(2, 2, device="tpu").to_sparse_csr(),
+    lambda: torch.zeros((2, 2), layout=torch.sparse_coo, device="tpu"),
+    lambda: torch.sparse_csr_tensor(torch.tensor([0, 1, 2]), torch.tensor([0, 1]), torch.ones(2),
+                                    (2, 2), device="tpu").to_dense(),
+    lambda: torch.nn.Embedding(4, 2, sparse=True).to("tpu")(torch.tensor([1], device="tpu")).sum().backward(),
+], ids=["coo", "coo_to", "to_sparse", "to_sparse_csr", "zeros_layout", "csr_to_dense", "embedding_sparse_grad"])
+def test_sparse_layouts_raise_one_clear_error(make):
+    """Sparse layouts are out of scope (docs/pytorch_test_suites.md): every entry point raises
+    the same NotImplementedError, even with the CPU fallback on, and the device stays usable."""
+    torch.tpu.enable_cpu_fallback = True
+    try:
+        with pytest.raises(NotImplementedError, match="Sparse tensors are not supported on the tpu device"):
+            make()
+    finally:
+        torch.tpu.enable_cpu_fallback = False
+    assert (torch.ones(2, device="tpu") + 1).cpu().tolist() == [2.0, 2.0]
+
+
+def test_complex32_is_refused_with_a_runtime_error():
+    """As PyTorch's kernels refuse a dtype they lack (RuntimeError): a TypeError would become
+    Python's "unsupported operand type(s)" inside `tensor * 1j`."""
+    h = torch.ones(2, dtype=torch.half, device="tpu")
+    with pytest.raises(RuntimeError, match="dtype torch.complex32 is not supported on the tpu device"):
+        h * 1j
+    with pytest.raises(RuntimeError, match="complex32"):
+        torch.complex(h, h)

@@ -135,7 +135,7 @@ def _plan(array_shape, shape, stride, offset):
     if plan is not None:
         return tuple(array_shape), plan
     refined = _refined(array_shape, shape, stride)
-    if refined is None or refined == tuple(array_shape):
+    if not refined or refined == tuple(array_shape):  # () for a one-element array
         return None
     plan = _on_dims(refined, shape, stride, offset)
     return None if plan is None else (refined, plan)

@@ -16,6 +16,8 @@ from .meta import _c10_name, dtype_name
 def _check_arange(start, end, step=1, dtype=None, *rest):
     if not all(math.isfinite(v) for v in (start, end)):
         raise RuntimeError(f"unsupported range: {start:g} -> {end:g}")
+    if step and (end - start) / step > 2.0 ** 63:  # the CPU kernel's bound: int64's range
+        raise RuntimeError("invalid size, possible overflow?")
     if dtype is not None and (dtype.is_complex or dtype == torch.bool):
         raise NotImplementedError(f'"arange_cpu" not implemented for \'{dtype_name(dtype)}\'')
 
@@ -58,8 +60,12 @@ def _check_space(name):
 @lowering("aten::linspace.default", "aten::linspace.out", static=("start", "end"),
           validate=_check_space("linspace"))
 def linspace(start, end, steps, dtype=None, layout=None, device=None, pin_memory=None):
-    out = to_jax_dtype(dtype or torch.get_default_dtype())
-    if steps < 2 or jnp.issubdtype(out, jnp.complexfloating) or complex in (type(start), type(end)):
+    if dtype is None:  # complex bounds make the default dtype's complex type
+        dtype = torch.get_default_dtype()
+        if complex in (type(start), type(end)):
+            dtype = dtype.to_complex()
+    out = to_jax_dtype(dtype)
+    if steps < 2:
         return jnp.linspace(start, end, steps)
     # PyTorch's CPU kernel's formula, evaluated on the host in the output's arithmetic (double
     # for integers, whose results truncate): the first half counts up from start, the second
@@ -109,6 +115,8 @@ def normal_(key, x, mean=0.0, std=1.0, generator=None):
 def _check_random_range(x, low, high=None, generator=None):
     if high is not None and low >= high:
         raise RuntimeError(f"random_ expects 'from' to be less than 'to', but got from={low} >= to={high}")
+    if x.dtype.is_complex:
+        raise RuntimeError("check_random_bounds handles only integral, floating-point and boolean types")
     # ATen's check_from_to_in_range: from and to - 1 must be values of x's dtype.
     if x.dtype.is_floating_point:
         info = torch.finfo(x.dtype)
@@ -136,9 +144,8 @@ def _check_random_to(x, high, generator=None):
 
 @lowering("aten::random_.from", random=True, fill=True, validate=_check_random_range)
 def random_from(key, x, low, high=None, generator=None):
-    if high is None:
-        high = 2 ** 63 - 1 if x.dtype == jnp.int64 else int(jnp.iinfo(x.dtype).max) + 1 \
-            if jnp.issubdtype(x.dtype, jnp.integer) else 2 ** 24 + 1
+    if high is None:  # up to the dtype's largest value (a floating type's largest exact integer)
+        high = _random_default_high(x.dtype)
     return jax.random.randint(key, x.shape, low, high, jnp.int64).astype(x.dtype)
 
 

@@ -156,11 +156,13 @@ def scatter_reduce(x, dim, index, src, reduce, include_self=True):
     if reduce == "prod":
         base = x if include_self else x.at[idx].set(1)
         return base.at[idx].multiply(src)
-    if reduce == "amax":
-        base = x if include_self else x.at[idx].set(jnp.finfo(x.dtype).min if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).min)
-        return base.at[idx].max(src)
-    if reduce == "amin":
-        base = x if include_self else x.at[idx].set(jnp.finfo(x.dtype).max if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).max)
+    if reduce in ("amax", "amin"):  # without self: from the reduction's identity (-inf, +inf)
+        floating = jnp.issubdtype(x.dtype, jnp.floating)
+        info = None if floating else jnp.iinfo(x.dtype)
+        if reduce == "amax":
+            base = x if include_self else x.at[idx].set(-jnp.inf if floating else info.min)
+            return base.at[idx].max(src)
+        base = x if include_self else x.at[idx].set(jnp.inf if floating else info.max)
         return base.at[idx].min(src)
     if reduce == "mean":
         ones = jnp.ones_like(src)
@@ -515,9 +517,16 @@ def histc(x, bins=100, min=0, max=0):
     return jnp.zeros(bins, x.dtype).at[pos].add(inside.astype(x.dtype))
 
 
-@lowering("aten::repeat_interleave.Tensor", eager=True)
+def _check_repeats(repeats, output_size=None):
+    if repeats.dim() != 1:
+        raise RuntimeError("repeat_interleave only accept 1D vector as repeat")
+    if repeats.dtype not in (torch.int32, torch.int64):
+        raise NotImplementedError(
+            f'"repeat_interleave_cpu" not implemented for \'{dtype_name(repeats.dtype)}\'')
+
+
+@lowering("aten::repeat_interleave.Tensor", eager=True, validate=_check_repeats)
 def repeat_interleave(repeats, output_size=None):
-    repeats = repeats.reshape(-1)
     if repeats.size and bool(jnp.any(repeats < 0)):
         raise RuntimeError("repeats can not be negative")
     total = int(jnp.sum(repeats)) if output_size is None else output_size
@@ -537,7 +546,7 @@ def _repeat_interleave_sized_shape(repeats, output_size):
     return repeats.new_empty((output_size,))
 
 
-@lowering("torchtpu::repeat_interleave_sized")
+@lowering("torchtpu::repeat_interleave_sized", validate=_check_repeats)
 def repeat_interleave_sized(repeats, output_size):
     check(jnp.all(repeats >= 0), "repeats can not be negative", RuntimeError)
     check(jnp.sum(repeats) == output_size, "allocated size does not match required size",

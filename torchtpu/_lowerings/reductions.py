@@ -388,26 +388,71 @@ def _segment_reduce_1d(data, lengths, reduce, initial):
     return out.astype(data.dtype)
 
 
-def _segment_reduce(data, reduce, lengths, offsets, axis, initial):
+def _per_row(fn, data, lengths, offsets, axis, *segmented):
+    """fn(data row (L, rest...), lengths row (S,), *rows of `segmented` (S, rest...)) over the
+    batch dims before `axis`."""
     if lengths is None:
         lengths = jnp.diff(offsets, axis=-1)
     axis = axis % data.ndim
     batch = data.shape[:axis]
-    flat = data.reshape((-1,) + data.shape[axis:]) if batch else data[None]
+
+    def rows(x):
+        return x.reshape((-1,) + x.shape[axis:]) if batch else x[None]
     lens = lengths.reshape((-1, lengths.shape[-1]))
-    out = jax.vmap(lambda d, n: _segment_reduce_1d(d, n, reduce, initial))(flat, lens)
+    out = jax.vmap(fn)(rows(data), lens, *map(rows, segmented))
     return out.reshape(batch + out.shape[1:])
 
 
-@lowering("aten::segment_reduce.default")
+def _segment_reduce(data, reduce, lengths, offsets, axis, initial):
+    return _per_row(lambda d, n: _segment_reduce_1d(d, n, reduce, initial),
+                    data, lengths, offsets, axis)
+
+
+def _segment_extreme_grad_1d(data, lengths, grad, output):
+    """max/min's gradient as PyTorch's kernel gives it: shared among the elements equal to
+    their segment's result, a NaN result counting its NaNs (JAX's VJP gives those nothing)."""
+    s = lengths.shape[0]
+    ids = jnp.searchsorted(jnp.cumsum(lengths), jnp.arange(data.shape[0]), side="right")
+    inside = (ids < s).reshape((-1,) + (1,) * (data.ndim - 1))
+    at = jnp.clip(ids, 0, s - 1)
+    result = output[at]
+    hit = inside & ((data == result) | (jnp.isnan(data) & jnp.isnan(result)))
+    count = jax.ops.segment_sum(hit.astype(data.dtype), ids, num_segments=s)
+    return jnp.where(hit, grad[at] / jnp.maximum(count[at], 1), 0).astype(data.dtype)
+
+
+def _check_segments(data, reduce, lengths=None, indices=None, offsets=None, axis=0,
+                    unsafe=False, initial=None):
+    """Without `unsafe`, the segments are checked on the host before the op runs, as PyTorch's
+    CPU and CUDA kernels do (reading the lengths: a wait), so the error comes from the call."""
+    if unsafe:
+        return
+    if lengths is not None:
+        if bool((lengths < 0).any()):
+            raise RuntimeError("lengths contains negative value!")
+        if not bool((lengths.sum(-1) == data.shape[axis % data.dim()]).all()):
+            raise RuntimeError("segment_reduce(): Expected all rows of lengths along axis to sum "
+                               "to data.size(lengths.dim()-1) when !unsafe.")
+    elif offsets is not None and bool((offsets.diff(dim=-1) < 0).any()):
+        raise RuntimeError("Expected segment_length >= 0 to be true, but got false.  (Could this "
+                           "error message be improved?  If so, please report an enhancement "
+                           "request to PyTorch.)")
+
+
+@lowering("aten::segment_reduce.default", validate=_check_segments)
 def segment_reduce(data, reduce, lengths=None, indices=None, offsets=None, axis=0, unsafe=False,
                    initial=None):
+    reduce = {"amax": "max", "amin": "min"}.get(reduce, reduce)  # the same reductions
     return _segment_reduce(data, reduce, lengths, offsets, axis, initial)
 
 
 @lowering("aten::_segment_reduce_backward.default")
 def segment_reduce_backward(grad, output, data, reduce, lengths=None, offsets=None, axis=0,
                             initial=None):
+    reduce = {"amax": "max", "amin": "min"}.get(reduce, reduce)
+    if reduce in ("max", "min"):
+        return _per_row(_segment_extreme_grad_1d, data, lengths, offsets, axis,
+                        grad.astype(data.dtype), output)
     _, pullback = jax.vjp(lambda d: _segment_reduce(d, reduce, lengths, offsets, axis, initial),
                           data)
     return pullback(grad.astype(data.dtype))[0]
