@@ -179,8 +179,8 @@ def resolve(target):
         if module in sys.modules:
             owner = sys.modules[module]
             for p in parts[i:-1]:
-                owner = getattr(owner, p)
-            return [id(owner), parts[-1]]
+                owner = getattr(owner, p, None)  # None: a module not imported in this run
+            return None if owner is None else [id(owner), parts[-1]]
     return None
 
 

@@ -91,6 +91,7 @@ EXCLUSIONS = {
     "quantized": re.compile(r"quantize_per|quantized|[^a-z]q(u)?int\d|Quantized", re.I),
     "sparse": re.compile(r"sparse", re.I),
     "complex32": re.compile(r"complex32|ComplexHalf|chalf"),
+    "dlpack": re.compile(r"dlpack", re.I),
 }
 
 
@@ -362,48 +363,11 @@ def _compat_names():
     }
 
 
-def _compat_attributes():
-    """Attributes of torch modules that other releases' test files read at import and the
-    installed release dropped: set only where missing."""
-    import torch
-    try:  # test_spectral_ops.py reads distutils.version, which nothing imports
-        import distutils.version  # noqa: F401
-    except ImportError:  # Python 3.12 has no distutils
-        pass
-    return {torch._C: {"has_mkldnn": torch.backends.mkldnn.is_available}}
-
-
-def _tolerate_device_named_tests():
-    """Older files define `test_x_cpu` beside a generic `test_x` (test_nn.py's
-    `test_activations_bfloat16_cpu`, @onlyCPU): instantiating `test_x` for the CPU makes the
-    same name, which newer releases refuse ("Redefinition of test"). Such a test is renamed
-    `test_x_cpu_only` before instantiation; on tpu it is skipped either way."""
-    from torch.testing._internal import common_device_type as cdt
-    original = cdt.instantiate_device_type_tests
-    if getattr(original, "_torchtpu_compat", False):
-        return
-
-    def instantiate(generic_test_class, scope, *args, **kwargs):
-        members = vars(generic_test_class)
-        for name in [n for n in members if n.startswith("test_")]:
-            for device in ("cpu", "cuda"):
-                if name.endswith(f"_{device}") and name[:-len(device) - 1] in members:
-                    setattr(generic_test_class, f"{name}_only", members[name])
-                    delattr(generic_test_class, name)
-        return original(generic_test_class, scope, *args, **kwargs)
-
-    instantiate._torchtpu_compat = True
-    cdt.instantiate_device_type_tests = instantiate
-
-
 def _import_test_file(tests, file):
     import importlib
     module_name = file[:-3].replace("/", ".")
-    for module, names in _compat_attributes().items():
-        for name, make in names.items():
-            if not hasattr(module, name):
-                setattr(module, name, make())
-    _tolerate_device_named_tests()
+    from .._frontend import patches
+    patches.older_pytorch_test_files()
     sys.path.insert(0, tests)
     sys.argv = [os.path.join(tests, file)]  # common_utils parses sys.argv at import
     compat = _compat_names()
