@@ -55,6 +55,17 @@ def _expanded(d):
     return torch.tensor([-0.5], device=d).expand(3, 3)
 
 
+def _fast_mha(need_weights, padding):
+    def call(d):
+        torch.manual_seed(0)
+        m = torch.nn.MultiheadAttention(16, 4, batch_first=True).eval().to(d)
+        q = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1)).to(d)
+        mask = torch.tensor([[False] * 5, [False] * 3 + [True] * 2], device=d) if padding else None
+        with torch.no_grad():
+            return m(q, q, q, key_padding_mask=mask, need_weights=need_weights)
+    return call
+
+
 def _inplace_backward(forward):
     def call(d):
         x = torch.randn(4, generator=torch.Generator().manual_seed(0)).to(d).requires_grad_()
@@ -297,6 +308,9 @@ CASES = {
     "segment_reduce_negative_length": lambda d: torch._segment_reduce(
         torch.arange(6.0, device=d), "sum", lengths=torch.tensor([1, -2, 4, 3], device=d), unsafe=False),
     "segment_reduce_max_grad_nan": lambda d: _segment_max_grad(d),
+    # nn.MultiheadAttention's inference fast path (aten._native_multi_head_attention).
+    "multihead_attention_fast_path_padding": _fast_mha(need_weights=True, padding=True),
+    "multihead_attention_fast_path_no_weights": _fast_mha(need_weights=False, padding=False),
 }
 
 
@@ -332,6 +346,12 @@ def test_sparse_layouts_raise_one_clear_error(make):
     finally:
         torch.tpu.enable_cpu_fallback = False
     assert (torch.ones(2, device="tpu") + 1).cpu().tolist() == [2.0, 2.0]
+
+
+def test_nested_tensors_raise_one_clear_error():
+    x = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], device="tpu")
+    with pytest.raises(NotImplementedError, match="Nested tensors are not supported on the tpu device"):
+        x + 1
 
 
 def test_complex32_is_refused_with_a_runtime_error():

@@ -49,9 +49,10 @@ def _kernels(start):
     streams.register(lib)  # record_stream
     fallback_lib = torch.library.Library("_", "IMPL")  # (the PrivateUse1 fallback is the autoload's)
     autocast.register(lib, fallback_lib)  # AutocastPrivateUse1: the casting policies
-    from ._execution.fallback import sparse_unsupported
+    from ._execution.fallback import nested_unsupported, sparse_unsupported
     for key in ("SparsePrivateUse1", "SparseCsrPrivateUse1"):  # no sparse layouts: one clear error
         fallback_lib.fallback(sparse_unsupported, dispatch_key=key)
+    fallback_lib.fallback(nested_unsupported, dispatch_key="NestedTensorPrivateUse1")
     # Kept alive here (a Library's registrations end when it is freed); the autoload's fork
     # guard destroys them in a forked child of a started runtime.
     torch.tpu._torchtpu_library = lib, fallback_lib

@@ -222,16 +222,8 @@ def _transformer_encoder_layer_fwd(src, embed_dim, num_heads, qkv_weight, qkv_bi
         return F.layer_norm(x, (embed_dim,), weight, bias, eps)
 
     x = norm(src, norm_weight_1, norm_bias_1) if norm_first else src
-    # The op's mask: (batch, seq) key padding (mask_type 1), (seq, seq) attention mask (0), or
-    # both merged into (batch, heads, seq, seq) (2); True masks out, as in MultiheadAttention.
-    padding = mask if mask is not None and mask_type == 1 else None
-    attn_mask = None if mask is None or mask_type == 1 else \
-        mask.reshape(-1, *mask.shape[-2:]) if mask.dim() == 4 else mask
-    q = x.transpose(0, 1)  # the fast path is taken for batch_first layers only
-    x = F.multi_head_attention_forward(
-        q, q, q, embed_dim, num_heads, qkv_weight, qkv_bias, None, None, False, 0.0, proj_weight,
-        proj_bias, training=False, key_padding_mask=padding, need_weights=False,
-        attn_mask=attn_mask)[0].transpose(0, 1)
+    x = _attention(x, x, x, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias,
+                   mask, mask_type, need_weights=False)[0]
     x = x + src
     if not norm_first:
         x = norm(x, norm_weight_1, norm_bias_1)
@@ -242,6 +234,37 @@ def _transformer_encoder_layer_fwd(src, embed_dim, num_heads, qkv_weight, qkv_bi
     x = F.gelu(x) if use_gelu else F.relu(x)
     x = F.linear(x, ffn_weight_2, ffn_bias_2) + residual
     return x if norm_first else norm(x, norm_weight_2, norm_bias_2)
+
+
+def _attention(query, key, value, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight,
+               proj_bias, mask, mask_type, need_weights, average_attn_weights=True):
+    """The fast paths' attention of batch-first tensors. Their mask: (batch, seq) key padding
+    (mask_type 1), (seq, seq) attention mask (0), or both merged into (batch, heads, seq, seq)
+    (2); True masks out, as in MultiheadAttention."""
+    padding = mask if mask is not None and mask_type == 1 else None
+    attn_mask = None
+    if mask is not None and mask_type != 1:
+        attn_mask = mask
+        if mask.dim() == 4:
+            b, (l, s) = query.shape[0], mask.shape[-2:]
+            attn_mask = mask.expand(b, num_heads, l, s).reshape(b * num_heads, l, s)
+    out, weights = F.multi_head_attention_forward(
+        query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), embed_dim, num_heads,
+        qkv_weight, qkv_bias, None, None, False, 0.0, proj_weight, proj_bias, training=False,
+        key_padding_mask=padding, need_weights=need_weights, attn_mask=attn_mask,
+        average_attn_weights=average_attn_weights)
+    return out.transpose(0, 1).contiguous(), weights  # (contiguous, as ATen's kernels give it)
+
+
+# nn.MultiheadAttention's inference fast path (batch first, eval mode, no grad), taken for
+# privateuse1 tensors too: ATen's kernel (native_multi_head_attention) computes this attention.
+def _native_multi_head_attention(query, key, value, embed_dim, num_head, qkv_weight, qkv_bias,
+                                 proj_weight, proj_bias, mask=None, need_weights=True,
+                                 average_attn_weights=True, mask_type=None):
+    out, weights = _attention(query, key, value, embed_dim, num_head, qkv_weight, qkv_bias,
+                              proj_weight, proj_bias, mask, mask_type, need_weights,
+                              average_attn_weights)
+    return out, weights  # None without weights: the undefined tensor ATen returns
 
 
 # --- zero_ -------------------------------------------------------------------------------
@@ -467,6 +490,7 @@ def kernels():
             aten.nonzero.out: _nonzero_out,
             aten.range.out: _range_out,
             aten._transformer_encoder_layer_fwd.default: _transformer_encoder_layer_fwd,
+            aten._native_multi_head_attention.default: _native_multi_head_attention,
             aten.arange.default: _arange,
             aten.arange.start: _arange_start,
             aten.zero_.default: _zero_,

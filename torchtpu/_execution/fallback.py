@@ -25,6 +25,15 @@ def sparse_unsupported(op, *args, **kwargs):
         "see docs/pytorch_test_suites.md.")
 
 
+def nested_unsupported(op, *args, **kwargs):
+    """The same for nested (ragged) tensors: the NestedTensorPrivateUse1 key."""
+    name = f"{op._schema.name}.{op._schema.overload_name or 'default'}"
+    raise NotImplementedError(
+        f"Nested tensors are not supported on the tpu device ('{name}'): torchtpu holds dense "
+        "arrays only. Pad the sequences and pass a mask (key_padding_mask in "
+        "nn.MultiheadAttention) instead; see docs/pytorch_test_suites.md.")
+
+
 def _fallback(op, *args, **kwargs):
     name = f"{op._schema.name}.{op._schema.overload_name or 'default'}"
     if "sparse" in op._schema.name:  # _to_sparse, _to_sparse_csr...: the CPU's result cannot come back
