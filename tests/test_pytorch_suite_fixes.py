@@ -66,6 +66,18 @@ def _fast_mha(need_weights, padding):
     return call
 
 
+def _encoder_with_padding(nested):
+    def call(d):
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(16, 4, 32, batch_first=True)
+        enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested).eval().to(d)
+        x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1)).to(d)
+        with torch.no_grad():
+            return enc(x, src_key_padding_mask=torch.tensor([[False] * 5, [False] * 3 + [True] * 2],
+                                                            device=d))
+    return call
+
+
 def _inplace_backward(forward):
     def call(d):
         x = torch.randn(4, generator=torch.Generator().manual_seed(0)).to(d).requires_grad_()
@@ -311,6 +323,20 @@ CASES = {
     # nn.MultiheadAttention's inference fast path (aten._native_multi_head_attention).
     "multihead_attention_fast_path_padding": _fast_mha(need_weights=True, padding=True),
     "multihead_attention_fast_path_no_weights": _fast_mha(need_weights=False, padding=False),
+    "transformer_encoder_padding_mask_dense": _encoder_with_padding(nested=False),
+    # Random creation: randperm (and its checks of n), normal's std checks, uniform_'s range.
+    "randperm_sorted": lambda d: torch.randperm(100, device=d).sort().values,
+    "randperm_float_out_noncontiguous": lambda d: torch.randperm(
+        6, out=torch.empty(3, 4, device=d)[:, 1]).sort().values,
+    "randperm_n_too_large_for_half": lambda d: torch.randperm(2 ** 11 + 2, dtype=torch.half, device=d),
+    "randperm_n_too_large_for_uint8_out": lambda d: torch.randperm(
+        2 ** 8 + 1, out=torch.empty(0, dtype=torch.uint8, device=d)),
+    "normal_negative_std_tensor": lambda d: torch.normal(0.0, torch.tensor(-1.0, device=d)),
+    "normal_negative_std_tensors": lambda d: torch.normal(torch.zeros(2, device=d),
+                                                          torch.tensor([1.0, -1.0], device=d)),
+    "uniform_range_past_float_max": lambda d: torch.empty(3, device=d).uniform_(-3.4e38, 3.4e38),
+    "uniform_float64_past_float32_range": lambda d: torch.empty(
+        2000, dtype=torch.float64, device=d).uniform_(-1e300, 1e300).abs().max() > 1e299,
 }
 
 
@@ -352,6 +378,11 @@ def test_nested_tensors_raise_one_clear_error():
     x = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], device="tpu")
     with pytest.raises(NotImplementedError, match="Nested tensors are not supported on the tpu device"):
         x + 1
+
+
+def test_transformer_encoder_nested_fast_path_says_how_to_avoid_it():
+    with pytest.raises(NotImplementedError, match="enable_nested_tensor=False"):
+        _encoder_with_padding(nested=True)("tpu")
 
 
 def test_complex32_is_refused_with_a_runtime_error():

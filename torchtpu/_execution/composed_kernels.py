@@ -267,6 +267,38 @@ def _native_multi_head_attention(query, key, value, embed_dim, num_head, qkv_wei
     return out, weights  # None without weights: the undefined tensor ATen returns
 
 
+# nn.TransformerEncoder (its only caller in PyTorch) asks this before packing a padded batch into
+# a nested tensor for its inference fast path; tpu has no nested tensors. Answering "not aligned"
+# would take the dense path, whose padded positions hold computed values where the CPU's fast
+# path gives zeros: a different answer, so the user is told how to choose the dense path.
+def _nested_tensor_from_mask_left_aligned(t, mask):
+    raise NotImplementedError(
+        "nn.TransformerEncoder's inference fast path packs the batch into a nested tensor, and "
+        "nested tensors are not supported on the tpu device: build it with "
+        "enable_nested_tensor=False (the same results, except that padded positions hold "
+        "computed values instead of zeros).")
+
+
+# randperm's check of n against its output's dtype (the table's lowering draws int64s).
+_CPP_INT_NAMES = {torch.int8: "int8_t", torch.uint8: "uint8_t", torch.int16: "int16_t",
+                  torch.int32: "int", torch.int64: "int64_t"}
+
+
+def _randperm_out(n, *, generator=None, out):
+    if n < 0:
+        raise RuntimeError(f"n must be non-negative, got{n}")
+    dtype = out.dtype
+    if dtype.is_floating_point:
+        limit = 2 ** (1 - int(math.log2(torch.finfo(dtype).eps))) + 1  # every integer exact
+        if n > limit:
+            raise RuntimeError(f"n cannot be greater than {limit} for {dtype_name(dtype)} type.")
+    elif dtype in _CPP_INT_NAMES and n > 0 and n - 1 > torch.iinfo(dtype).max:
+        raise RuntimeError(f"value cannot be converted to type {_CPP_INT_NAMES[dtype]} without overflow")
+    if tuple(out.shape) != (n,):  # resized without resize_output's warning, as the CPU's
+        out.resize_(0)
+    return kernel_for(aten.randperm.generator_out)(n, generator=generator, out=out)
+
+
 # --- zero_ -------------------------------------------------------------------------------
 
 # Optimizers create their state with zeros_like (empty_like, then zero_) on their first step:
@@ -497,4 +529,7 @@ def kernels():
             aten.huber_loss.default: _huber_loss,
             aten.where.self: _where,
             aten.where.self_out: _where_out,
-            aten.repeat_interleave.Tensor: _repeat_interleave}
+            aten.repeat_interleave.Tensor: _repeat_interleave,
+            aten.randperm.generator_out: _randperm_out,
+            aten._nested_tensor_from_mask_left_aligned.default:
+                _nested_tensor_from_mask_left_aligned}
