@@ -324,6 +324,15 @@ CASES = {
     "multihead_attention_fast_path_padding": _fast_mha(need_weights=True, padding=True),
     "multihead_attention_fast_path_no_weights": _fast_mha(need_weights=False, padding=False),
     "transformer_encoder_padding_mask_dense": _encoder_with_padding(nested=False),
+    # nn: rrelu_ in place (and its backward's refusal of a negative slope), nll_loss's uint8
+    # target, threshold_ of an expanded tensor.
+    "rrelu_inplace_eval": lambda d: torch.nn.functional.rrelu_(torch.tensor([-1.0, 1.0], device=d)),
+    "rrelu_inplace_negative_slope_backward": lambda d: torch.nn.functional.rrelu_(
+        torch.tensor([-1.0, 1.0], device=d, requires_grad=True).clone(), -5.0, 1.0).backward(
+        torch.ones(2, device=d)),
+    "nll_loss_uint8_target": lambda d: _nll_uint8(d),
+    "threshold_inplace_expanded": lambda d: torch.nn.functional.threshold_(
+        torch.tensor([[0.2, 0.7, 0.4]], device=d).expand(3, 3), 0.5, 0.5),
     # Random creation: randperm (and its checks of n), normal's std checks, uniform_'s range.
     "randperm_sorted": lambda d: torch.randperm(100, device=d).sort().values,
     "randperm_float_out_noncontiguous": lambda d: torch.randperm(
@@ -338,6 +347,14 @@ CASES = {
     "uniform_float64_past_float32_range": lambda d: torch.empty(
         2000, dtype=torch.float64, device=d).uniform_(-1e300, 1e300).abs().max() > 1e299,
 }
+
+
+def _nll_uint8(d):
+    x = torch.randn(10, 4, generator=torch.Generator().manual_seed(0)).to(d).requires_grad_()
+    target = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 0, 1], device=d, dtype=torch.uint8)
+    loss = torch.nn.functional.nll_loss(torch.log_softmax(x, -1), target)
+    loss.backward()
+    return loss, x.grad
 
 
 def _segment_max_grad(d):

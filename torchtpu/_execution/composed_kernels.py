@@ -99,6 +99,10 @@ def _rrelu_with_noise(x, noise, lower=1.0 / 8, upper=1.0 / 3, training=False, ge
     return x * slopes
 
 
+def _rrelu_with_noise_(x, noise, lower=1.0 / 8, upper=1.0 / 3, training=False, generator=None):
+    return x.copy_(_rrelu_with_noise(x, noise, lower, upper, training, generator))
+
+
 # --- arange(out=) --------------------------------------------------------------------------
 
 # PyTorch's range factories keep the shape of an out= that has the right number of elements and
@@ -297,6 +301,18 @@ def _randperm_out(n, *, generator=None, out):
     if tuple(out.shape) != (n,):  # resized without resize_output's warning, as the CPU's
         out.resize_(0)
     return kernel_for(aten.randperm.generator_out)(n, generator=generator, out=out)
+
+
+# nll_loss (not nll_loss2d) takes a uint8 target on the CPU as an int64 one; PyTorch's meta kernel (a
+# decomposition through gather) refuses it.
+def _long_target(overload, position):
+    kernel = kernel_for(overload)
+
+    def run(*args):
+        if args[position].dtype == torch.uint8:
+            args = args[:position] + (args[position].long(),) + args[position + 1:]
+        return kernel(*args)
+    return run
 
 
 # --- zero_ -------------------------------------------------------------------------------
@@ -514,6 +530,7 @@ def kernels():
             aten._linalg_det.default: _transposed_like_pytorch(aten._linalg_det.default),
             aten._linalg_slogdet.default: _transposed_like_pytorch(aten._linalg_slogdet.default),
             aten.rrelu_with_noise.default: _rrelu_with_noise,
+            aten.rrelu_with_noise_.default: _rrelu_with_noise_,
             aten.arange.start_out: _arange_out,
             aten.eye.out: _resizing_silently(aten.eye.out, lambda n: (n, n)),
             aten.eye.m_out: _resizing_silently(aten.eye.m_out, lambda n, m: (n, m)),
@@ -531,5 +548,7 @@ def kernels():
             aten.where.self_out: _where_out,
             aten.repeat_interleave.Tensor: _repeat_interleave,
             aten.randperm.generator_out: _randperm_out,
+            aten.nll_loss_forward.default: _long_target(aten.nll_loss_forward.default, 1),
+            aten.nll_loss_backward.default: _long_target(aten.nll_loss_backward.default, 2),
             aten._nested_tensor_from_mask_left_aligned.default:
                 _nested_tensor_from_mask_left_aligned}

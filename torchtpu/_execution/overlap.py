@@ -27,6 +27,10 @@ _OUTPUT_ONLY = {"aten::bernoulli", "aten::bernoulli_", "aten::uniform_", "aten::
 # TensorIterator loops all the same, so they refuse overlapping writes like the tagged ones).
 _UNTAGGED_POINTWISE = {"aten::hardswish"}
 
+# ATen builds these loops without the overlap check (threshold_: writing the same value twice
+# is harmless, so an expanded tensor may be thresholded in place).
+_UNCHECKED = {"aten::threshold_"}
+
 _INTERNAL = ("unsupported operation: more than one element of the written-to tensor refers to a "
              "single memory location. Please clone() the tensor before performing the operation.")
 _BETWEEN = ("unsupported operation: some elements of the input tensor and the written-to tensor "
@@ -40,8 +44,8 @@ def check(kernel, vals, resized):
     gathering and random ops check the outputs they are given; elementwise ops check them once
     resized (`resized`)."""
     name = kernel.overload._schema.name
-    if name == "aten::conj_physical_" and not vals[0].is_complex():
-        return  # ATen returns before iterating: conjugating a real tensor changes nothing
+    if name == "aten::conj_physical_" and not vals[0].is_complex() or name in _UNCHECKED:
+        return  # (conj_physical_ of a real tensor: ATen returns before iterating)
     if _elementwise(kernel) and name not in _NO_OVERLAP:
         if not resized:
             return

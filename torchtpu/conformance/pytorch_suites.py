@@ -101,6 +101,9 @@ EXCLUDED_TESTS = {
     # `complex scalar + float16 tensor` is complex32: the test then expects promote_types to
     # refuse it as well.
     re.compile(r"\.test_result_type_tpu_(complex\d+_float16|float16_complex\d+)$"): "complex32",
+    # one_hot of invalid classes raises at the next wait, as CUDA's device assert does (which
+    # the test exempts by name): reading the classes on the host would wait at every call.
+    re.compile(r"TestNNDeviceType\w*\.test_one_hot_tpu$"): "deferred check",
 }
 
 
@@ -458,6 +461,11 @@ def _run_one(module, test_id):
     result = Result()
     t = time.time()
     cls(name).run(result)
+    try:  # a device-side check the test left pending fails this test, not the next one
+        import torch
+        torch.tpu.synchronize()
+    except Exception:  # noqa: BLE001 - reported as the test's failure
+        result.first = result.first or sys.exc_info()
     seconds = round(time.time() - t, 3)
     if result.first is not None:
         return {"status": FAILED, "message": _exc_text(result.first), "seconds": seconds}
