@@ -402,6 +402,23 @@ def test_transformer_encoder_nested_fast_path_says_how_to_avoid_it():
         _encoder_with_padding(nested=True)("tpu")
 
 
+def test_storages_made_on_tpu_by_their_constructor():
+    """torch.UntypedStorage(n, device="tpu") crashed the process (PyTorch's C++ allocation has no
+    tpu allocator); deepcopy and clone of a storage make one."""
+    import copy
+    s = torch.UntypedStorage(8, device="tpu")
+    assert (s.device.type, s.nbytes(), s.tolist()) == ("tpu", 8, [0] * 8)
+    assert torch.UntypedStorage([1, 2, 3], device="tpu").tolist() == [1, 2, 3]
+    a = torch.arange(4.0, device="tpu")
+    q = [a, [a.storage()], a.view(2, 2)]
+    w = copy.deepcopy(q)
+    w[0].add_(1)  # the copy keeps its own sharing, apart from the original
+    assert w[2].cpu().tolist() == [[1.0, 2.0], [3.0, 4.0]] and w[1][0].tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert a.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert a.untyped_storage().clone().device.type == "tpu"
+    assert torch.UntypedStorage(4).device.type == "cpu"
+
+
 def test_complex32_is_refused_with_a_runtime_error():
     """As PyTorch's kernels refuse a dtype they lack (RuntimeError): a TypeError would become
     Python's "unsupported operand type(s)" inside `tensor * 1j`."""

@@ -244,6 +244,21 @@ def new_storage(nbytes, index, array, dtype):
     return storage
 
 
+def new_untyped(size=0, *, device):
+    """`torch.UntypedStorage(size, device=tpu)`: `size` zero bytes, or the bytes of a sequence
+    of ints (patches.py: the constructor's C++ allocation has no tpu allocator)."""
+    if isinstance(size, int):
+        host = np.zeros(size, np.uint8)
+    elif isinstance(size, (list, tuple)):
+        host = np.asarray(size, np.uint8)
+    else:
+        raise TypeError(f"UntypedStorage(): expected an int or a sequence of ints on the tpu "
+                        f"device, but got {type(size).__name__}")
+    index = device.index if device.index is not None else torch.tpu.current_device()
+    array = jax.device_put(host, runtime.jax_device(index))
+    return new_storage(host.size, index, array, jnp.uint8)
+
+
 def contiguous_strides(shape):
     strides = []
     acc = 1

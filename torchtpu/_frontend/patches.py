@@ -99,6 +99,18 @@ def _defer_dynamo_disable_until_imported():
         _defer_dynamo_disable()
 
 
+def _storage_constructor():
+    base_new = torch._C.StorageBase.__new__
+
+    def __new__(cls, *args, device=None, **kwargs):
+        if device is not None and torch.device(device).type == "tpu":
+            return storage.new_untyped(*args, device=torch.device(device), **kwargs)
+        if device is not None:
+            kwargs["device"] = device
+        return base_new(cls, *args, **kwargs)
+    _replace(torch.UntypedStorage, "__new__", __new__)
+
+
 def _refuse_dlpack():
     import torch.utils.dlpack
     original = torch.utils.dlpack.to_dlpack
@@ -222,6 +234,10 @@ PATCHES = [
     Patch(("torch.UntypedStorage.resize_",),
           "PyTorch resizes a PrivateUse1 storage through a C++ hook Python cannot provide; "
           "FSDP2 frees and re-creates parameters with resize_(0) / resize_(n)", _resize_storage),
+    Patch(("torch.UntypedStorage.__new__",),
+          "PyTorch allocates `UntypedStorage(n, device=...)` with the device's C++ allocator, "
+          "which a Python backend cannot register: for tpu it crashed the process (deepcopy "
+          "and clone of a storage make one)", _storage_constructor),
     Patch(("torch.utils.dlpack.to_dlpack", "torch.to_dlpack", "torch.Tensor.__dlpack__"),
           "PyTorch packs a PrivateUse1 tensor's data pointer into the capsule, and ours is no "
           "address: torch.from_dlpack of it made a tensor without a tpu storage", _refuse_dlpack),
