@@ -138,9 +138,10 @@ def older_pytorch_test_files():
     """What PyTorch's test files of older releases need to import under the installed torch
     (the conformance runner's worker calls this before importing one): attributes it dropped,
     set only where missing (torch._C.has_mkldnn; distutils.version, which test_spectral_ops.py
-    reads without importing it), and `test_x_cpu` defined beside a generic `test_x` (2.1's
-    test_nn.py, @onlyCPU) renamed `test_x_cpu_only` before instantiation: instantiating `test_x`
-    for the CPU makes the same name, which newer releases refuse ("Redefinition of test")."""
+    reads without importing it), `test_x_cpu` defined beside a generic `test_x` (2.1's
+    test_nn.py, @onlyCPU) renamed `test_x_cpu_only` before instantiation (instantiating `test_x`
+    for the CPU makes the same name, which newer releases refuse: "Redefinition of test"), and
+    set-up hooks calling `super(self.__class__, self)` made finite (_as_class)."""
     try:
         import distutils.version  # noqa: F401
     except ImportError:  # Python 3.12 has no distutils
@@ -157,8 +158,25 @@ def older_pytorch_test_files():
                 if name.endswith(f"_{device}") and name[:-len(device) - 1] in members:
                     setattr(generic_test_class, f"{name}_only", members[name])
                     delattr(generic_test_class, name)
+        for hook in ("setUp", "tearDown"):
+            fn = members.get(hook)
+            if fn is not None and "__class__" in fn.__code__.co_names:
+                setattr(generic_test_class, hook, _as_class(fn, generic_test_class))
         return original(generic_test_class, scope, *args, **kwargs)
     _replace(cdt, "instantiate_device_type_tests", instantiate_device_type_tests)
+
+
+def _as_class(hook, cls):
+    """2.1's test_linalg.py calls `super(self.__class__, self).setUp()`, which recurses forever
+    once the device class derives from the generic one (newer releases): the hook runs with
+    `self` seen as the generic class, whose super() is TestCase's."""
+    def run(self):
+        real, self.__class__ = self.__class__, cls
+        try:
+            return hook(self)
+        finally:
+            self.__class__ = real
+    return run
 
 
 def _flex_attention_device():
