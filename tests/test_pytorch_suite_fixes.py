@@ -331,6 +331,15 @@ CASES = {
         torch.tensor([-1.0, 1.0], device=d, requires_grad=True).clone(), -5.0, 1.0).backward(
         torch.ones(2, device=d)),
     "nll_loss_uint8_target": lambda d: _nll_uint8(d),
+    # nn: Embedding(max_norm=) (embedding_renorm_), convolutions of inputs without channels.
+    "embedding_max_norm": lambda d: _embedding_max_norm(d),
+    "embedding_renorm_p1": lambda d: torch.embedding_renorm_(
+        torch.randn(5, 3, generator=torch.Generator().manual_seed(0)).to(d),
+        torch.tensor([0, 4, 4], device=d), 0.5, 1.0),
+    "conv1d_no_input_channels": lambda d: _conv_grads(d, (2, 0, 6), (3, 0, 2)),
+    "conv2d_no_input_channels": lambda d: _conv_grads(d, (2, 0, 6, 6), (3, 0, 2, 2)),
+    "conv_transpose_weight_without_input_channels": lambda d: torch.nn.functional.conv_transpose1d(
+        torch.randn(2, 0, 6, device=d), torch.randn(0, 3, 2, device=d)),
     "threshold_inplace_expanded": lambda d: torch.nn.functional.threshold_(
         torch.tensor([[0.2, 0.7, 0.4]], device=d).expand(3, 3), 0.5, 0.5),
     # Random creation: randperm (and its checks of n), normal's std checks, uniform_'s range.
@@ -355,6 +364,23 @@ def _nll_uint8(d):
     loss = torch.nn.functional.nll_loss(torch.log_softmax(x, -1), target)
     loss.backward()
     return loss, x.grad
+
+
+def _embedding_max_norm(d):
+    torch.manual_seed(0)
+    e = torch.nn.Embedding(6, 4, max_norm=1.0).to(d)
+    return e(torch.tensor([1, 2, 2], device=d)), e.weight.detach().clone()
+
+
+def _conv_grads(d, x_shape, w_shape):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(x_shape, generator=g).to(d).requires_grad_()
+    w = torch.randn(w_shape, generator=g).to(d).requires_grad_()
+    b = torch.randn(w_shape[0], generator=g).to(d).requires_grad_()
+    conv = torch.nn.functional.conv1d if len(x_shape) == 3 else torch.nn.functional.conv2d
+    y = conv(x, w, b)
+    y.sum().backward()
+    return y, x.grad, w.grad, b.grad
 
 
 def _segment_max_grad(d):

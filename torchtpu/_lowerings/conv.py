@@ -110,10 +110,15 @@ def _slow_transposed(x, w, bias, stride, padding, dilation, output_padding, grou
 
 
 def _check_dtypes(x, w, bias, *rest):
-    """The CPU's convolutions take no mixed dtypes (no type promotion)."""
+    """The CPU's convolutions take no mixed dtypes (no type promotion); a transposed one needs
+    a weight with at least `groups` input channels."""
     for t in (w, bias):
         if t is not None and t.dtype != x.dtype:
             raise RuntimeError(f"expected scalar type {dtype_name(x.dtype)} but found {dtype_name(t.dtype)}")
+    transposed, groups = rest[3], rest[5]
+    if transposed and w.shape[0] < groups:
+        raise RuntimeError(f"Given groups={groups}, expected weight to be at least {groups} at "
+                           f"dimension 0, but got weight of size {list(w.shape)} instead")
 
 
 @lowering("aten::convolution.default", promote=Promote.RESULT, precision=True, validate=_check_dtypes)
@@ -131,18 +136,25 @@ def convolution(x, w, bias, stride, padding, dilation, transposed, output_paddin
         if _cpu_uses_slow_transposed(x, w, *args, groups):
             return _slow_transposed(x, w, bias, *args, groups).astype(x.dtype)
     y = _conv(x, w, bias, stride, padding, dilation, transposed, output_padding, groups)
+    if x.shape[1] == 0 and not transposed:
+        y = y[:, :0]  # ATen returns an input without channels as an output without channels
     return y.astype(x.dtype)
 
 
 @lowering("aten::convolution_backward.default", precision=True)
 def convolution_backward(grad, x, w, bias_sizes, stride, padding, dilation, transposed,
                          output_padding, groups, output_mask):
+    nd = x.ndim - 2
+    if x.shape[1] == 0 and not transposed:  # an output without channels (see convolution)
+        gb = jnp.zeros(bias_sizes, grad.dtype) if output_mask[2] else None
+        return (jnp.zeros_like(x) if output_mask[0] else None), \
+            (jnp.zeros_like(w) if output_mask[1] else None), gb
+
     def f(x_, w_):
         return _conv(x_, w_, None, stride, padding, dilation, transposed, output_padding, groups)
 
     y, vjp = jax.vjp(f, x, w)
     gx, gw = vjp(grad.astype(y.dtype))  # float32 for half inputs, as the forward accumulates
-    nd = x.ndim - 2
     gb = jnp.sum(grad.astype(y.dtype), axis=(0,) + tuple(range(2, 2 + nd))) \
         if output_mask[2] else None
     return (gx if output_mask[0] else None), (gw if output_mask[1] else None), gb

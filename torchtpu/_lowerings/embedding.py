@@ -2,7 +2,7 @@
 import jax
 import jax.numpy as jnp
 
-from .._core.registry import lowering
+from .._core.registry import check, lowering
 
 
 def _check_embedding(weight, *rest):
@@ -33,11 +33,26 @@ def embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad
     return jnp.zeros((num_weights, g.shape[-1]), g.dtype).at[flat_idx].add(g)
 
 
+# nn.Embedding(max_norm=...) renormalises, in place and before the lookup, the rows its indices
+# name whose norm exceeds max_norm (ATen's embedding_renorm_: scale max_norm / (norm + 1e-7)).
+@lowering("aten::embedding_renorm.default")
+def embedding_renorm(weight, indices, max_norm, norm_type):
+    rows = jnp.zeros(weight.shape[0], jnp.bool_).at[indices.reshape(-1)].set(True)
+    x = weight.astype(jnp.float32) if weight.dtype in (jnp.float16, jnp.bfloat16) else weight
+    norms = jnp.linalg.norm(x, ord=norm_type, axis=1, keepdims=True) if norm_type != 2 else \
+        jnp.sqrt(jnp.sum(x * x, axis=1, keepdims=True))
+    scale = jnp.where(rows[:, None] & (norms > max_norm), max_norm / (norms + 1e-7), 1)
+    return (x * scale).astype(weight.dtype)
+
+
 # --- embedding_bag -----------------------------------------------------------------------------
 @lowering("aten::_embedding_bag.default", "aten::_embedding_bag_forward_only.default")
 def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
                   per_sample_weights=None, include_last_offset=False, padding_idx=-1):
     n, dim = indices.shape[0], weight.shape[1]
+    # The CPU kernel's check of the indices, read at the next wait (CUDA's kernel has none).
+    check(jnp.all((indices >= 0) & (indices < weight.shape[0])),
+          "Expected idx >= 0 && idx < num_embeddings to be true, but got false.", RuntimeError)
     bags = offsets.shape[0] - (1 if include_last_offset else 0)
     bag = jnp.searchsorted(offsets[:bags], jnp.arange(n), side="right") - 1  # offset2bag
     if include_last_offset and n:
