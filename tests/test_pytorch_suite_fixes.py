@@ -331,6 +331,21 @@ CASES = {
         torch.tensor([-1.0, 1.0], device=d, requires_grad=True).clone(), -5.0, 1.0).backward(
         torch.ones(2, device=d)),
     "nll_loss_uint8_target": lambda d: _nll_uint8(d),
+    # test_torch: in-place ops never resize self; indexed writes refuse overlapping memory.
+    "atan2_inplace_broadcast_past_self": lambda d: torch.ones(2, 1, device=d).atan2_(torch.ones(2, 3, device=d)),
+    "lt_inplace_broadcast_past_self": lambda d: torch.ones(2, 1, device=d).lt_(torch.ones(2, 3, device=d)),
+    "add_inplace_broadcast_past_self": lambda d: torch.ones(2, 1, device=d).add_(torch.ones(2, 3, device=d)),
+    "lt_inplace_broadcast_within_self": lambda d: torch.ones(2, 3, device=d).lt_(torch.ones(3, device=d)),
+    "index_add_expanded_self": lambda d: torch.rand(1, device=d).expand(6).index_add_(
+        0, torch.tensor([2, 1, 0], device=d), torch.rand(3, device=d)),
+    "index_copy_source_overlaps_self": lambda d: _overlapping_source(d, "index_copy_"),
+    "index_add_source_overlaps_self": lambda d: _overlapping_source(d, "index_add_"),
+    "scatter_src_is_self": lambda d: (lambda v: v.scatter_(0, torch.tensor([2, 1, 0], device=d), v))(
+        torch.ones(3, device=d)),
+    "put_expanded_self": lambda d: torch.rand(1, device=d).expand(6).put_(
+        torch.tensor([2, 1, 0], device=d), torch.rand(3, device=d)),
+    "index_fill_index_is_self": lambda d: torch.tensor([2, 1, 0], device=d).index_fill_(
+        0, torch.tensor([2, 1, 0], device=d)[:], 0),
     # nn: Embedding(max_norm=) (embedding_renorm_), convolutions of inputs without channels.
     "embedding_max_norm": lambda d: _embedding_max_norm(d),
     "embedding_renorm_p1": lambda d: torch.embedding_renorm_(
@@ -381,6 +396,11 @@ def _conv_grads(d, x_shape, w_shape):
     y = conv(x, w, b)
     y.sum().backward()
     return y, x.grad, w.grad, b.grad
+
+
+def _overlapping_source(d, op):
+    y = torch.arange(6.0, device=d)
+    return getattr(y, op)(0, torch.tensor([2, 1, 0], device=d), y[:3])
 
 
 def _segment_max_grad(d):

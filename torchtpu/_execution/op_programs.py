@@ -182,6 +182,34 @@ def _persistent_key(kernel, key):
     return executables.stable((str(kernel.overload), key))
 
 
+def _broadcast_error(self_shape, shape):
+    return RuntimeError(f"output with shape {list(self_shape)} doesn't match the broadcast shape "
+                        f"{list(shape)}")
+
+
+def _inplace_meta(kernel, vals, pos, kw):
+    """An in-place op's meta kernel, which must not change self's shape: some of PyTorch's (the
+    refs of atan2_, fmod_, lt_...) resize it as an out= with a warning, where ATen's kernels
+    refuse; others refuse in their own words. ATen's error either way."""
+    import warnings
+    self_shape = tuple(vals[0].shape)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            meta_out = kernel.overload(*pos, **kw)
+        except RuntimeError as e:
+            if "doesn't match the broadcast shape" in str(e):
+                broadcast = torch.broadcast_shapes(*[v.shape for v in vals
+                                                     if isinstance(v, torch.Tensor)])
+                raise _broadcast_error(self_shape, broadcast) from None
+            raise
+    if isinstance(pos[0], torch.Tensor) and tuple(pos[0].shape) != self_shape:
+        raise _broadcast_error(self_shape, pos[0].shape)
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return meta_out
+
+
 def build(kernel, vals, buffers, scalars, device):
     overlap.check(kernel, vals, resized=False)
     compiled = Compiled()
@@ -192,7 +220,10 @@ def build(kernel, vals, buffers, scalars, device):
     else:
         _check_out_dtypes(kernel, vals, pos, kw)
         try:
-            meta_out = kernel.overload(*pos, **kw)
+            if kernel.inplace_of is None:
+                meta_out = kernel.overload(*pos, **kw)
+            else:
+                meta_out = _inplace_meta(kernel, vals, pos, kw)
         except (AssertionError, TypeError, ValueError, ZeroDivisionError) as e:
             # Some of PyTorch's Python meta kernels assert (or trip over their own checks,
             # or divide by a zero stride) where its C++ kernels raise RuntimeError.

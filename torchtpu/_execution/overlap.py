@@ -17,7 +17,12 @@ except ImportError:  # older releases: the same check under its old name
 from .._core import registry
 
 _NO_OVERLAP = {"aten::cat", "aten::index_select", "aten::take", "aten::masked_select",
-               "aten::gather", "aten::index_put_", "aten::_index_put_impl_"}
+               "aten::gather", "aten::index_put_", "aten::_index_put_impl_", "aten::index_add_",
+               "aten::index_copy_", "aten::put_", "aten::scatter_", "aten::masked_scatter_",
+               "aten::index_fill_"}
+# index_put_, masked_fill_ and index_fill_ of an expanded tensor only warn on the CPU (a
+# deprecation) and write its one element; a tpu write through a view with zero strides would
+# keep none of the writes, so they are refused like the other ops (docs/pytorch_test_suites.md).
 # Ops that only refuse an output mapping several elements to one address.
 _OUTPUT_ONLY = {"aten::bernoulli", "aten::bernoulli_", "aten::uniform_", "aten::normal_", "aten::random_",
                 "aten::exponential_", "aten::geometric_", "aten::cauchy_", "aten::log_normal_",
