@@ -346,6 +346,8 @@ CASES = {
         torch.tensor([2, 1, 0], device=d), torch.rand(3, device=d)),
     "index_fill_index_is_self": lambda d: torch.tensor([2, 1, 0], device=d).index_fill_(
         0, torch.tensor([2, 1, 0], device=d)[:], 0),
+    "searchsorted_scalar_2d_boundaries": lambda d: torch.searchsorted(torch.ones(2, 3, device=d), 1),
+    "searchsorted_scalar": lambda d: torch.searchsorted(torch.tensor([1.0, 3, 5, 7], device=d), 4),
     # nn: Embedding(max_norm=) (embedding_renorm_), convolutions of inputs without channels.
     "embedding_max_norm": lambda d: _embedding_max_norm(d),
     "embedding_renorm_p1": lambda d: torch.embedding_renorm_(

@@ -446,7 +446,16 @@ def searchsorted(seq, values, out_int32=False, right=False, side=None, sorter=No
     return _searchsorted(seq, values, right, side, sorter)
 
 
-@lowering("aten::searchsorted.Scalar", validate=_check_searchsorted)
+def _check_searchsorted_scalar(seq, value, *rest):
+    if seq.dim() != 1:  # (PyTorch's meta kernel fails on the scalar instead)
+        raise RuntimeError(
+            "torch.searchsorted(): input value can be a scalar only when boundaries tensor "
+            f"dimension is 1, but we got boundaries tensor dim({seq.dim()}) and input value's "
+            "dim(0) numel(1)")
+    _check_searchsorted(seq, value, *rest)
+
+
+@lowering("aten::searchsorted.Scalar", validate=_check_searchsorted_scalar)
 def searchsorted_scalar(seq, value, out_int32=False, right=False, side=None, sorter=None):
     return _searchsorted(seq, jnp.asarray(value, seq.dtype), right, side, sorter)
 
