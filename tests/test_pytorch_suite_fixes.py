@@ -347,6 +347,9 @@ CASES = {
     "index_fill_index_is_self": lambda d: torch.tensor([2, 1, 0], device=d).index_fill_(
         0, torch.tensor([2, 1, 0], device=d)[:], 0),
     "searchsorted_scalar_2d_boundaries": lambda d: torch.searchsorted(torch.ones(2, 3, device=d), 1),
+    "unique_nans_distinct": lambda d: torch.unique(
+        torch.tensor([1.0, float("nan"), 2.0, float("nan"), 1.0], device=d),
+        return_inverse=True, return_counts=True),
     "searchsorted_scalar": lambda d: torch.searchsorted(torch.tensor([1.0, 3, 5, 7], device=d), 4),
     # nn: Embedding(max_norm=) (embedding_renorm_), convolutions of inputs without channels.
     "embedding_max_norm": lambda d: _embedding_max_norm(d),

@@ -595,8 +595,10 @@ _NONE = np.zeros((0,), np.int64)
 
 @lowering("aten::_unique2.default", eager=True)
 def unique(x, sorted=True, return_inverse=False, return_counts=False):
-    # Sorted either way, as PyTorch's CPU kernel does; unrequested outputs are empty.
-    values, inverse, counts = jnp.unique(x.reshape(-1), return_inverse=True, return_counts=True)
+    # Sorted either way, as PyTorch's CPU kernel does; unrequested outputs are empty. Each NaN
+    # is a value of its own, as on the CPU.
+    values, inverse, counts = jnp.unique(x.reshape(-1), return_inverse=True, return_counts=True,
+                                         equal_nan=False)
     return (values, inverse.reshape(x.shape).astype(jnp.int64) if return_inverse else _NONE,
             counts.astype(jnp.int64) if return_counts else _NONE)
 
