@@ -350,6 +350,15 @@ CASES = {
     "unique_nans_distinct": lambda d: torch.unique(
         torch.tensor([1.0, float("nan"), 2.0, float("nan"), 1.0], device=d),
         return_inverse=True, return_counts=True),
+    "masked_select_out": lambda d: torch.masked_select(
+        torch.arange(6.0, device=d).reshape(2, 3), torch.arange(6, device=d).reshape(2, 3) > 2,
+        out=torch.empty(5, device=d)),
+    "masked_select_out_dtype": lambda d: torch.masked_select(
+        torch.arange(6.0, device=d), torch.arange(6, device=d) > 2,
+        out=torch.empty(0, dtype=torch.long, device=d)),
+    "is_set_to": lambda d: (lambda x: (x.is_set_to(x), x.is_set_to(x.view(6)),
+                                       torch.empty(0, device=d).set_(x).is_set_to(x)))(
+        torch.arange(6.0, device=d).reshape(2, 3)),
     "searchsorted_scalar": lambda d: torch.searchsorted(torch.tensor([1.0, 3, 5, 7], device=d), 4),
     # nn: Embedding(max_norm=) (embedding_renorm_), convolutions of inputs without channels.
     "embedding_max_norm": lambda d: _embedding_max_norm(d),

@@ -198,17 +198,41 @@ def _nonzero_out(x, *, out):
     result = torch.nonzero(x)
     shape = tuple(result.shape)
     if out.shape != shape:
-        if out.numel() > 0:  # ATen's resize_output warning (the Python port words it apart)
-            warnings.warn(f"An output with one or more elements was resized since it had shape "
-                          f"{list(out.shape)}, which does not match the required output shape "
-                          f"{list(shape)}. This behavior is deprecated, and in a future PyTorch "
-                          "release outputs will not be resized unless they have zero elements. You "
-                          "can explicitly reuse an out tensor t by resizing it, inplace, to zero "
-                          "elements with t.resize_(0).", stacklevel=2)
+        _warn_resized(out, shape)
         out.resize_(0)
         out.resize_(shape[::-1])
         out.as_strided_(shape, (1, shape[0]))
     return out.copy_(result)
+
+
+def _warn_resized(out, shape):
+    if out.numel() > 0:  # ATen's resize_output warning (the Python port words it apart)
+        warnings.warn(f"An output with one or more elements was resized since it had shape "
+                      f"{list(out.shape)}, which does not match the required output shape "
+                      f"{list(shape)}. This behavior is deprecated, and in a future PyTorch "
+                      "release outputs will not be resized unless they have zero elements. You "
+                      "can explicitly reuse an out tensor t by resizing it, inplace, to zero "
+                      "elements with t.resize_(0).", stacklevel=3)
+
+
+# masked_select(out=): the functional op's values decide the shape (PyTorch has no meta kernel of
+# the out variant); out is resized as ATen's resize_output does.
+def _masked_select_out(x, mask, *, out):
+    result = torch.masked_select(x, mask)
+    if out.dtype != result.dtype:
+        raise RuntimeError("masked_select(): self and result must have the same scalar type")
+    if out.shape != result.shape:
+        _warn_resized(out, tuple(result.shape))
+        out.resize_(result.shape)
+    return out.copy_(result)
+
+
+# Whether two tensors are the same view of the same storage (ATen's is_set_to reads the data
+# pointers, which a tpu storage's placeholder address stands in for).
+def _is_set_to(x, other):
+    return (x.untyped_storage().data_ptr() == other.untyped_storage().data_ptr()
+            and x.storage_offset() == other.storage_offset() and x.shape == other.shape
+            and x.stride() == other.stride())
 
 
 # --- nn.TransformerEncoderLayer's inference fast path ----------------------------------------
@@ -537,6 +561,8 @@ def kernels():
             aten.linspace.out: _space_out(torch.linspace),
             aten.logspace.out: _space_out(torch.logspace),
             aten.nonzero.out: _nonzero_out,
+            aten.masked_select.out: _masked_select_out,
+            aten.is_set_to.default: _is_set_to,
             aten.range.out: _range_out,
             aten._transformer_encoder_layer_fwd.default: _transformer_encoder_layer_fwd,
             aten._native_multi_head_attention.default: _native_multi_head_attention,
