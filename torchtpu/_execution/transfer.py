@@ -151,7 +151,8 @@ def _local_scalar_dense(self):
     metrics.counters["device_to_host_bytes"] += self.element_size()
     sync.wait()
     arr = storage.buffer_of(self).value()
-    if arr.size > 1 and arr.dtype == to_jax_dtype(self.dtype):
+    if arr.size > 1 and arr.dtype == to_jax_dtype(self.dtype) and \
+            len(arr.sharding.device_set) == 1:  # (a sharded array is read through its program)
         host = _host_copy(arr)
         if host is not None:
             return host[self.storage_offset()].item()
