@@ -148,11 +148,11 @@ def _resizing_silently(overload, shape):
     resize_output's warning (eye); the meta kernel would warn."""
     kernel = kernel_for(overload)
 
-    def run(*args, out):
+    def run(*args, out, **kwargs):
         want = shape(*args)
         if tuple(out.shape) != want and min(want) >= 0:
             out.resize_(0)
-        return kernel(*args, out=out)
+        return kernel(*args, out=out, **kwargs)
     return run
 
 
@@ -322,9 +322,10 @@ def _randperm_out(n, *, generator=None, out):
             raise RuntimeError(f"n cannot be greater than {limit} for {dtype_name(dtype)} type.")
     elif dtype in _CPP_INT_NAMES and n > 0 and n - 1 > torch.iinfo(dtype).max:
         raise RuntimeError(f"value cannot be converted to type {_CPP_INT_NAMES[dtype]} without overflow")
-    if tuple(out.shape) != (n,):  # resized without resize_output's warning, as the CPU's
-        out.resize_(0)
-    return kernel_for(aten.randperm.generator_out)(n, generator=generator, out=out)
+    return _randperm_resizing(n, generator=generator, out=out)  # (no warning, as the CPU's)
+
+
+_randperm_resizing = _resizing_silently(aten.randperm.generator_out, lambda n: (n,))
 
 
 # nll_loss (not nll_loss2d) takes a uint8 target on the CPU as an int64 one; PyTorch's meta kernel (a

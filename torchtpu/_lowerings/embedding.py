@@ -39,8 +39,7 @@ def embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad
 def embedding_renorm(weight, indices, max_norm, norm_type):
     rows = jnp.zeros(weight.shape[0], jnp.bool_).at[indices.reshape(-1)].set(True)
     x = weight.astype(jnp.float32) if weight.dtype in (jnp.float16, jnp.bfloat16) else weight
-    norms = jnp.linalg.norm(x, ord=norm_type, axis=1, keepdims=True) if norm_type != 2 else \
-        jnp.sqrt(jnp.sum(x * x, axis=1, keepdims=True))
+    norms = jnp.linalg.norm(x, ord=norm_type, axis=1, keepdims=True)
     scale = jnp.where(rows[:, None] & (norms > max_norm), max_norm / (norms + 1e-7), 1)
     return (x * scale).astype(weight.dtype)
 

@@ -157,13 +157,13 @@ def scatter_reduce(x, dim, index, src, reduce, include_self=True):
         base = x if include_self else x.at[idx].set(1)
         return base.at[idx].multiply(src)
     if reduce in ("amax", "amin"):  # without self: from the reduction's identity (-inf, +inf)
-        floating = jnp.issubdtype(x.dtype, jnp.floating)
-        info = None if floating else jnp.iinfo(x.dtype)
-        if reduce == "amax":
-            base = x if include_self else x.at[idx].set(-jnp.inf if floating else info.min)
-            return base.at[idx].max(src)
-        base = x if include_self else x.at[idx].set(jnp.inf if floating else info.max)
-        return base.at[idx].min(src)
+        most = reduce == "amax"
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            identity = -jnp.inf if most else jnp.inf
+        else:
+            identity = jnp.iinfo(x.dtype).min if most else jnp.iinfo(x.dtype).max
+        base = x if include_self else x.at[idx].set(identity)
+        return base.at[idx].max(src) if most else base.at[idx].min(src)
     if reduce == "mean":
         ones = jnp.ones_like(src)
         count = jnp.zeros_like(x).at[idx].add(ones) + (1 if include_self else 0)

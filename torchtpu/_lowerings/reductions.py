@@ -353,6 +353,7 @@ def mode(x, dim=-1, keepdim=False):
 
 # --- segment_reduce: reductions over consecutive segments of one axis -------------------------
 _SEGMENT_IDENTITY = {"max": -jnp.inf, "min": jnp.inf, "prod": 1.0, "sum": 0.0, "mean": 0.0}
+_SEGMENT_ALIASES = {"amax": "max", "amin": "min"}  # the same reductions under PyTorch's other names
 
 
 def _segment_reduce_1d(data, lengths, reduce, initial):
@@ -442,14 +443,14 @@ def _check_segments(data, reduce, lengths=None, indices=None, offsets=None, axis
 @lowering("aten::segment_reduce.default", validate=_check_segments)
 def segment_reduce(data, reduce, lengths=None, indices=None, offsets=None, axis=0, unsafe=False,
                    initial=None):
-    reduce = {"amax": "max", "amin": "min"}.get(reduce, reduce)  # the same reductions
+    reduce = _SEGMENT_ALIASES.get(reduce, reduce)
     return _segment_reduce(data, reduce, lengths, offsets, axis, initial)
 
 
 @lowering("aten::_segment_reduce_backward.default")
 def segment_reduce_backward(grad, output, data, reduce, lengths=None, offsets=None, axis=0,
                             initial=None):
-    reduce = {"amax": "max", "amin": "min"}.get(reduce, reduce)
+    reduce = _SEGMENT_ALIASES.get(reduce, reduce)
     if reduce in ("max", "min"):
         return _per_row(_segment_extreme_grad_1d, data, lengths, offsets, axis,
                         grad.astype(data.dtype), output)

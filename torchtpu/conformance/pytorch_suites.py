@@ -117,6 +117,8 @@ def excluded(message, test_id=""):
     head = (message or "").split("This could be because")[0]
     return next((k for k, pattern in EXCLUSIONS.items() if pattern.search(head)), None) or \
         next((k for pattern, k in EXCLUDED_TESTS.items() if pattern.search(test_id)), None)
+
+
 DEVICE = "tpu"  # torch._C._get_privateuse1_backend_name() once torchtpu is imported
 _SUFFIXES = ("PRIVATEUSE1", DEVICE.upper())
 _WORKER_BATCH = 400  # tests per worker process: bounds the memory of cached executables
@@ -309,8 +311,9 @@ def run_suite(tests, suite, *, timeout=300, pattern=None, all_dtypes=False, opin
         kind = r["status"]
         if kind == FAILED:
             kind = "failed_both" if r["cpu"]["status"] in (FAILED, CRASHED) else "failed_tpu_only"
-        if kind == "failed_tpu_only" and excluded(r["message"], t):
-            kind, r["excluded"] = "excluded", excluded(r["message"], t)
+        reason = excluded(r["message"], t) if kind == "failed_tpu_only" else None
+        if reason:
+            kind, r["excluded"] = "excluded", reason
         c[kind] += 1
         r["kind"] = kind
         out["tests"][t] = r
