@@ -48,7 +48,7 @@ import torch
 import jax_models
 import torchtpu  # noqa: F401
 from torchtpu._core import tpu_compiler
-from torchtpu._execution import fused
+from torchtpu._execution.segment import Segment
 from train_step import build_model, default_options, time_steps, torch_step
 
 
@@ -72,7 +72,7 @@ def programs_run(into, target=None):
     """Collects, in order, the executables (jax.stages.Compiled) of the segments that run
     meanwhile (compiled graphs, graph replays, fused segments); with `target`, each compiled
     for that TPU slice instead (tpu_compiler.Report)."""
-    run = fused.Segment.run
+    run = Segment.run
 
     def recording(self, ext_arrays, call, packed_scalars):
         if target is not None:  # before the run, which may consume its inputs
@@ -82,11 +82,11 @@ def programs_run(into, target=None):
             into.append((self.kind, self.executables[call[0]].last))
         return out
 
-    fused.Segment.run = recording
+    Segment.run = recording
     try:
         yield
     finally:
-        fused.Segment.run = run
+        Segment.run = run
 
 
 def describe(compiled):

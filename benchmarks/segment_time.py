@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import torch
 
 import torchtpu  # noqa: F401
-from torchtpu._execution import fused
+from torchtpu._execution.segment import Segment
 from train_step import build_model, default_options, jax_step_fn, torch_step
 
 
@@ -65,7 +65,7 @@ def measure(name, a, runs):
     idx = torch.randint(0, a.vocab, (a.batch, a.seq))
     tgt = torch.randint(0, a.vocab, (a.batch, a.seq))
     ran = []
-    run = fused.Segment.run
+    run = Segment.run
 
     def noting(segment, ext, call, packed):  # the inputs as they were before a run consumed them
         ran.append((segment, [jnp.array(x, copy=True) for x in ext], packed))
@@ -86,12 +86,12 @@ def measure(name, a, runs):
         fused_ms = (time.perf_counter() - t0) / runs * 1e3
         cpu = thread_cpu_ms()
         cpu = {name: (ms - cpu0.get(name, 0)) / runs for name, ms in cpu.items()}
-        fused.Segment.run = noting
+        Segment.run = noting
         try:
             step()
             torch.tpu.synchronize()
         finally:
-            fused.Segment.run = run
+            Segment.run = run
     busy = ", ".join(f"{n} {ms:.1f}" for n, ms in sorted(cpu.items(), key=lambda i: -i[1]) if ms >= 0.5)
     print(f"{name}: fused eager step {fused_ms:.1f} ms; CPU ms per step by thread: {busy}")
     total = 0.0

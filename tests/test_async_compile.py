@@ -189,7 +189,7 @@ def test_a_capture_reads_queued_values_without_waiting_and_restores_them():
     from torchtpu._execution import tpu_graphs
     x = torch.randn(7, 41)
     w = x.to("tpu") * 3  # queued: a new executable
-    assert async_compile.queued(storage.buffer_of(w)._array)
+    assert async_compile.queued(storage.buffer_of(w).peek())
     g = torch.tpu.TPUGraph()
     with tpu_graphs.graph(g, _wait=False):
         out = (w + 1).exp()
@@ -210,12 +210,12 @@ def test_a_queued_value_that_runs_during_a_capture_is_the_storage_value_after_it
     from torchtpu._execution import tpu_graphs
     x = torch.randn(5, 43)
     w = x.to("tpu") * 5  # queued: a new executable
-    assert async_compile.queued(storage.buffer_of(w)._array)
+    assert async_compile.queued(storage.buffer_of(w).peek())
     g = torch.tpu.TPUGraph()
     with tpu_graphs.graph(g, _wait=False):
         w.mul_(2)
         async_compile.drain()
-    assert not async_compile.queued(storage.buffer_of(w)._array)
+    assert not async_compile.queued(storage.buffer_of(w).peek())
     assert torch.equal(w.cpu(), x * 5)
     g.replay()
     assert_same(w, x * 10)

@@ -10,7 +10,7 @@ import torch
 
 import torchtpu
 from torchtpu._core import storage
-from torchtpu._execution import fused
+from torchtpu._execution import recording
 
 from conftest import xla_flags
 
@@ -229,15 +229,14 @@ def test_fused_eager_fills_compile_a_random_program_per_bucket_not_per_fill(monk
     # them (one program per bucket size, a copy recorded in the trace), with strict's values,
     # also on a tensor the trace is still computing.
     from torchtpu._core import metrics
-    from torchtpu._execution import fused as fused_module
     recorded = []
-    record = fused_module.record
+    record = recording.record
 
     def noting(kernel, *args):
         recorded.append(str(kernel.overload))
         return record(kernel, *args)
 
-    monkeypatch.setattr(fused_module, "record", noting)
+    monkeypatch.setattr(recording, "record", noting)
 
     def init(mode):
         torch.manual_seed(3)
@@ -331,7 +330,7 @@ def test_precision_follows_torch_setting():
 
 def _ready(t):
     """The tensor's value is computed: not deferred (fused), not still running (async)."""
-    a = storage.buffer_of(t)._array
+    a = storage.buffer_of(t).peek()
     return isinstance(a, jax.Array) and a.is_ready()
 
 
@@ -343,7 +342,7 @@ def test_synchronize_waits(mode, device):
         for _ in range(10):
             x = x @ x / 256
         torch.tpu.synchronize(device)
-        assert fused.pending_ops() == 0 and _ready(x)
+        assert recording.pending_ops() == 0 and _ready(x)
 
 
 def test_info_command():
@@ -414,7 +413,7 @@ def test_streams_and_events(mode):
         for _ in range(5):
             x = x @ x / 256
         end.record(s)  # runs what fused eager deferred, then waits for it on synchronize()
-        assert fused.pending_ops() == 0
+        assert recording.pending_ops() == 0
         end.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3
         assert _ready(x) and end.query()

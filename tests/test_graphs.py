@@ -321,7 +321,7 @@ def test_warm_up_on_a_side_stream_and_zero_compiles_per_replay():
 def test_each_overwritten_storage_gives_its_buffer_to_its_own_new_value():
     # JAX gives a donated input's buffer to the first result of its shape; the step's new
     # gradients have the parameters' shapes, and where one took a parameter's buffer XLA
-    # copied every parameter and optimizer state first (fused._Order).
+    # copied every parameter and optimizer state first (segment._Order).
     model = MLP().to("tpu")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=True)
     x, y = torch.randn(16, 32).to("tpu"), torch.randint(0, 10, (16,)).to("tpu")

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from conftest import counts
 
 import torchtpu
-from torchtpu._execution import fused, modes
+from torchtpu._execution import fused, modes, recording
 
 EagerMode = torch.tpu.EagerMode
 FUSED, STRICT, DEBUG = EagerMode.DEFER_AND_FUSE, EagerMode.DEFER_NEVER, EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
@@ -59,12 +59,12 @@ def test_fused_defers_until_a_value_is_needed():
         flushes = counts("flushes")[0]
         y = (x * 2).sin() + x
         y.t()[0].mul_(3)  # in place through a view
-        assert fused.pending_ops() == 4
+        assert recording.pending_ops() == 4
         assert counts("flushes")[0] == flushes
         expected = (a * 2).sin() + a
         expected.t()[0].mul_(3)
         torch.testing.assert_close(y.cpu(), expected)
-        assert fused.pending_ops() == 0
+        assert recording.pending_ops() == 0
         assert counts("flush::device_to_host")[0] >= 1
         s = y.sum()
         assert s.item() == pytest.approx(expected.sum().item(), rel=1e-5)
@@ -92,23 +92,23 @@ def test_fused_flush_reasons():
         x.add_(1)
         torch.tpu.synchronize()
         assert counts("flush::synchronize") == (1,)
-        limit, fused.max_ops = fused.max_ops, 5
+        limit, recording.max_ops = recording.max_ops, 5
         try:
             for _ in range(12):
                 x.add_(1)
         finally:
-            fused.max_ops = limit
+            recording.max_ops = limit
         assert counts("flush::max_ops") == (2,)
         p = torch.nn.Parameter(torch.ones(3, device="tpu"))
         opt = torch.optim.SGD([p], lr=0.1)
         loss = (p * 2).sum()
-        pending = fused.pending_ops()
+        pending = recording.pending_ops()
         loss.backward()  # the forward runs as a segment of its own, the backward is recorded
         assert counts("flush::backward") == (1,) and pending > 0
-        assert fused.pending_ops() > 0
+        assert recording.pending_ops() > 0
         opt.step()
         assert counts("flush::optimizer_step") == (1,)
-        assert fused.pending_ops() == 0
+        assert recording.pending_ops() == 0
         torch.testing.assert_close(p.detach().cpu(), torch.full((3,), 0.8))
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import torchtpu
-from torchtpu._execution import bounded, fused, kernels, modes
+from torchtpu._execution import bounded, fused, kernels, modes, recording, segment
 
 from conftest import MODES, assert_same
 
@@ -213,7 +213,7 @@ def test_ctrl_c_while_a_segment_compiles_loses_nothing(how, monkeypatch, sigint_
     real SIGINT arriving there): the tensors keep their pending values, and the next read runs
     the segment again."""
     fused.clear_cache()
-    compile_ = fused.Segment.compile
+    compile_ = segment.Segment.compile
     armed, interrupted = [], []
 
     def slow_compile(self, *args):
@@ -225,7 +225,7 @@ def test_ctrl_c_while_a_segment_compiles_loses_nothing(how, monkeypatch, sigint_
             time.sleep(5)
         return compile_(self, *args)
 
-    monkeypatch.setattr(fused.Segment, "compile", slow_compile)
+    monkeypatch.setattr(segment.Segment, "compile", slow_compile)
     with torch.tpu.set_eager_mode(MODES["fused"]):
         old, a, b = _fused_work()
         armed.append(True)
@@ -238,7 +238,7 @@ def test_ctrl_c_while_a_segment_compiles_loses_nothing(how, monkeypatch, sigint_
 def test_ctrl_c_while_a_segment_runs_is_held_until_its_values_are_stored(monkeypatch, sigint_raises):
     """SIGINT while the executable runs (it may consume donated inputs) is delivered after the
     results are stored: every tensor has its new value."""
-    run = fused.Segment.run
+    run = segment.Segment.run
 
     def interrupted_run(self, *args):
         signal.raise_signal(signal.SIGINT)
@@ -246,11 +246,11 @@ def test_ctrl_c_while_a_segment_runs_is_held_until_its_values_are_stored(monkeyp
 
     with torch.tpu.set_eager_mode(MODES["fused"]):
         old, a, b = _fused_work()
-        monkeypatch.setattr(fused.Segment, "run", interrupted_run)
+        monkeypatch.setattr(segment.Segment, "run", interrupted_run)
         with pytest.raises(KeyboardInterrupt):
             torch.tpu.synchronize()
-        monkeypatch.setattr(fused.Segment, "run", run)
-        assert fused.pending_ops() == 0
+        monkeypatch.setattr(segment.Segment, "run", run)
+        assert recording.pending_ops() == 0
         _check_values(old, a, b)
 
 
@@ -262,8 +262,8 @@ def test_error_during_a_flush_leaves_tensors_readable(monkeypatch):
     fused.clear_cache()
     with torch.tpu.set_eager_mode(MODES["fused"]):
         old, a, b = _fused_work()
-        monkeypatch.setattr(fused.Segment, "compile", broken)
-        monkeypatch.setattr(fused.Segment, "run", broken)
+        monkeypatch.setattr(segment.Segment, "compile", broken)
+        monkeypatch.setattr(segment.Segment, "run", broken)
         torch.tpu.synchronize()  # the segment failed; its ops ran one at a time instead
         monkeypatch.undo()
         _check_values(old, a, b)

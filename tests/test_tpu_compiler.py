@@ -438,12 +438,12 @@ def test_the_opinfo_sweep_compiles_its_programs_for_a_target():
 
 def test_a_tpu_is_given_complex_numbers_as_complex64(monkeypatch):
     from torchtpu._core import runtime
-    from torchtpu._execution import fused, op_keys
+    from torchtpu._execution import op_keys, segment
     assert op_keys.device_scalar(1 + 2j, 0) == 1 + 2j  # the CPU: as JAX takes a Python complex
     monkeypatch.setattr(runtime, "platform", lambda: "tpu")
     v = op_keys.device_scalar(1 + 2j, 0)
     assert v.dtype == jnp.complex64 and v.aval.weak_type and complex(v) == 1 + 2j
-    arrays, _ = fused.pack_scalars([0.5, 3, 1 - 1j], [float, int, complex])
+    arrays, _ = segment.pack_scalars([0.5, 3, 1 - 1j], [float, int, complex])
     assert [a.dtype for a in arrays] == [np.float64, np.int64, np.bool_, np.complex64]
 
 

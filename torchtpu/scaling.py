@@ -179,32 +179,31 @@ def _fsdp_model(config, layers, checkpoint):
 
 
 def _recorded_step(model, seq, batch):
-    """(segment, its inputs, its packed scalars): one training step (forward, backward, AdamW)
-    recorded as one program without running or reading anything (its inputs are described),
-    its Python numbers baked in as a torch.tpu graph of the step bakes them (fused.baked: packed,
+    """(segment, its Recording): one training step (forward, backward, AdamW) recorded as one
+    program without running or reading anything (its inputs are described), its Python
+    numbers baked in as a torch.tpu graph of the step bakes them (segment.baked_numbers: packed,
     they were float64 and int64 arrays, emulated on TPU, and the views' offsets made dynamic
     slices: 1,100 scalar instructions and 13 more seconds of compile for one Llama-1B layer on
     v5e:2x2)."""
     import torch
-    from ._execution import fused
+    from ._execution import recording
+    from ._execution.segment import Segment
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=True, foreach=True)
     for p in model.parameters():  # the state a first step would make, described only
         opt.state[p] = {"step": torch.zeros((), device="tpu"), "exp_avg": torch.empty_like(p),
                         "exp_avg_sq": torch.empty_like(p)}
     tokens = torch.empty(batch, seq + 1, dtype=torch.long, device="tpu")
-    tr, previous = fused.start_capture(torch.tpu.current_device(), by_storage=True, abstract=True)
+    capture = recording.start_capture(torch.tpu.current_device(), by_storage=True, abstract=True)
     try:
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         opt.step()
     finally:
-        intact = fused.stop_capture(tr, previous)
-    if not intact:
+        recorded = recording.stop_capture(*capture)
+    if not recorded.intact:
+        recorded.release()
         raise RuntimeError("the step could not be recorded as one program")
-    types = tuple(map(type, tr.scalars))
-    segment = fused.Segment(tuple(tr.signature), [p.slot for p in tr.live_outputs()], types,
-                            "FSDP2 step", constants=fused.baked(tr.scalars, types))
-    return segment, list(tr.ext_arrays), fused.pack_scalars(tr.scalars, types), tr
+    return Segment.from_recording(recorded, "FSDP2 step", baked=True), recorded
 
 
 def fsdp_step_report(config, target, layers, seq, batch, checkpoint=False):
@@ -213,14 +212,18 @@ def fsdp_step_report(config, target, layers, seq, batch, checkpoint=False):
     rank: the program each of them runs, collectives included)."""
     from ._core import tpu_compiler
     from ._distributed.process_group import projected_world
+    from ._execution.segment import pack_scalars
     chips = tpu_compiler.topology(target)
     with projected_world(chips):
         model = _fsdp_model(config, layers, checkpoint)
-        segment, arrays, scalars, tr = _recorded_step(model, seq, batch)
+        segment, recorded = _recorded_step(model, seq, batch)
         try:
-            return segment.compile_for(target, arrays, scalars, (False,) * len(arrays))
+            arrays = list(recorded.inputs)
+            return segment.compile_for(target, arrays, pack_scalars(recorded.scalars,
+                                                                    recorded.scalar_types),
+                                       (False,) * len(arrays))
         finally:
-            tr.release()
+            recorded.release()
 
 
 @dataclasses.dataclass

@@ -13,7 +13,8 @@ import warnings
 import torch
 
 from .._core import storage
-from .._execution import bounded, fused, op_keys, sync
+from .._execution import bounded, op_keys, recording, sync
+from .._execution.segment import PackedScalars, Segment
 from .._core import metrics
 from .._core import registry
 
@@ -78,8 +79,9 @@ class Captured:
         # (value() materialises lazily zeroed storages, so they are inputs, not constants)
         saved = [b.value() for b in buffers]
         try:
-            tr, outs = fused.capture(lambda: gm(*args), self.device)
-            mutated = [(j, b.pending_in(tr)) for j, b in enumerate(buffers) if b.pending_in(tr)]
+            recorded, outs = recording.capture(lambda: gm(*args), self.device)
+            mutated = [(j, recorded.pending_of(b)) for j, b in enumerate(buffers)
+                       if recorded.pending_of(b)]
         finally:
             for b, a in zip(buffers, saved):  # capturing commits nothing
                 b.array = a
@@ -87,12 +89,9 @@ class Captured:
         arrays = {id(a): i for i, a in enumerate(saved)}
         # Where each array the recording read comes from: an input (its buffer's position)
         # or a constant the graph holds.
-        self.sources = [arrays.get(id(a), a) for a in tr.ext_arrays]
-        self.signature = tuple(tr.signature)
-        self.where = tr.where
-        self.scalar_types = tuple(map(type, tr.scalars))
-        self.scalars = fused.PackedScalars(tr.scalars, self.scalar_types, tr.random_positions(),
-                                           self.device)
+        self.sources = [arrays.get(id(a), a) for a in recorded.inputs]
+        self.where = recorded.where
+        self.scalars = PackedScalars.of(recorded)
         result_slots = []
 
         def result_index(slot):
@@ -105,7 +104,7 @@ class Captured:
         flat = outs if isinstance(outs, (list, tuple)) else [outs]
         self.returns_sequence = isinstance(outs, (list, tuple))
         for o in flat:
-            self.outputs.append(self._output_spec(o, args, tr, result_index))
+            self.outputs.append(self._output_spec(o, args, recorded, result_index))
         # Inputs the graph overwrites: their storage's reference goes when the results are stored.
         overwritten = {j for j, _ in self.mutations}
         self.held = tuple(int(isinstance(src, int) and src in overwritten) for src in self.sources)
@@ -113,14 +112,13 @@ class Captured:
         read_from = {src: k for k, src in reversed(list(enumerate(self.sources)))
                      if isinstance(src, int)}
         guarded = [(r, read_from[j]) for j, r in self.mutations if j in read_from]
-        self.segment = fused.Segment(self.signature, result_slots, self.scalar_types, "graph",
-                                     guarded, fused.baked(tr.scalars, self.scalar_types))
+        self.segment = Segment.from_recording(recorded, "graph", result_slots, guarded, baked=True)
         # (this call's input arrays would stay referenced: the first run could not donate them
         # and the second would compile an executable of its own)
-        tr.release()
+        recorded.release()
 
     @staticmethod
-    def _output_spec(o, args, tr, result_index):
+    def _output_spec(o, args, recorded, result_index):
         if not isinstance(o, torch.Tensor):
             return ("value", o)
         for i, a in enumerate(args):
@@ -128,14 +126,14 @@ class Captured:
                 return ("arg", i)
         view = (list(o.shape), list(o.stride()), o.storage_offset())
         buf = _buffer(o)
-        p = buf.pending_in(tr) if buf is not None else None
+        p = recorded.pending_of(buf) if buf is not None else None
         if p is not None:
             return ("new", result_index(p.slot), *view, o.dtype, buf.nbytes)
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor) and _buffer(a) is buf:
                 return ("alias", i, *view)
         if buf is None:
-            raise fused.CaptureBroken(f"the graph computes a {o.device} tensor")
+            raise recording.CaptureBroken(f"the graph computes a {o.device} tensor")
         if buf.unwritten:  # a fresh `empty` tensor the graph never wrote
             return ("empty", *view, o.dtype, buf.nbytes)
         return ("constant", o)  # a tensor the graph holds
@@ -207,7 +205,7 @@ class CompiledGraph:
     def __call__(self, *args):
         # AOTAutograd calls forward graphs boxed (one list) and backward graphs unboxed.
         args = list(args[0]) if len(args) == 1 and isinstance(args[0], list) else list(args)
-        if self.eager or fused.capturing():
+        if self.eager or recording.capturing():
             # In a torch.tpu graph capture (a whole compiled step, step.py) its ops are recorded
             # into the capture's trace.
             return self.gm(*args)
@@ -224,7 +222,7 @@ class CompiledGraph:
             start = time.perf_counter()
             try:
                 captured = Captured(self.gm, args, buffers, self.name)
-            except fused.CaptureBroken as e:
+            except recording.CaptureBroken as e:
                 return self._run_eagerly(args, str(e))
             finally:
                 metrics.counters["capture_seconds"] += time.perf_counter() - start

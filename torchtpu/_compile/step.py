@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._core import metrics, storage
 from .._core.metrics import FlushReason
-from .._execution import fused, tpu_graphs
+from .._execution import recording, tpu_graphs
 from . import backend, fx_graph
 
 
@@ -120,7 +120,7 @@ _MAX_RETRIES = 2
 def _read_the_host(error):
     """Whether a capture failed because the step read a value on the host."""
     cause = error.__cause__
-    return isinstance(cause, fused.CaptureBroken) and cause.reason in (
+    return isinstance(cause, recording.CaptureBroken) and cause.reason in (
         FlushReason.ITEM, FlushReason.DEVICE_TO_HOST, FlushReason.READ)
 
 
@@ -187,7 +187,7 @@ class _StepReplay:
         for kind, v in self.outputs:
             if kind == "new":  # a new tensor on the array the replay just wrote
                 buf = fx_graph._buffer(v)
-                t = storage.wrap(buf._array, list(v.shape), list(v.stride()), v.dtype,
+                t = storage.wrap(buf.peek(), list(v.shape), list(v.stride()), v.dtype,
                                  buf.index, buf.nbytes, v.storage_offset())
                 outs.append(t)
             elif kind == "arg":

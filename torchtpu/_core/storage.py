@@ -79,6 +79,23 @@ class Pending:
         # hands it to: a capture that restores the storages it wrote (_execution/tpu_graphs.py)
         self.result = None
 
+    def holder(self):
+        """The storage (DeviceBuffer) whose value this still is, or None: freed, or given
+        another value since."""
+        owner = self.owner() if self.owner is not None else None
+        return owner if owner is not None and owner._array is self else None
+
+    def settle(self, value):
+        """Its op ran (or will never run: `value` a `Failed`): the storage still waiting for
+        it gets `value`."""
+        owner = self.holder()
+        if owner is not None:
+            owner._array = value
+
+    def fail(self, error):
+        """Its op will never run: reading its storage raises `error`."""
+        self.settle(Failed(error))
+
 
 class Failed:
     """The value of a storage whose deferred op never ran because an earlier op failed."""
@@ -104,7 +121,7 @@ class DeviceBuffer:
         self.from_bytes = False  # raw bytes from torch.load, not yet given their dtype
         self.shape = None  # (unwritten storages) the shape their zeros take, where one is known
         # (unwritten storages) the shape of the contiguous tensor `empty` made it for: zeros a
-        # graph makes inside its program take it (fused._settle_zeros), so its views are
+        # graph makes inside its program take it (recording._settle_zeros), so its views are
         # slices of their dims (strided.py)
         self.made_as = None
         self._array = array
@@ -140,6 +157,16 @@ class DeviceBuffer:
     @array.setter
     def array(self, value):
         self._array = value
+
+    def peek(self):
+        """What it holds now, running nothing: an array, None (unwritten), a `Pending` value
+        to come or a `Failed` one."""
+        return self._array
+
+    def defer(self, pending):
+        """Its value is now `pending`, which an op still to run (or to compile) will settle."""
+        pending.owner = weakref.ref(self)
+        self._array = pending
 
     def pending_in(self, trace):
         """The `Pending` value that `trace` will produce for this storage, or None."""

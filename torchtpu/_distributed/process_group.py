@@ -142,7 +142,7 @@ class _Work(dist._Work):
 
     def is_completed(self):
         from .._core.storage import Array
-        arrays = [t.untyped_storage()._tpu._array for t in self._tensors]
+        arrays = [t.untyped_storage()._tpu.peek() for t in self._tensors]
         return all(type(a) is Array and a.is_ready() for a in arrays)
 
     def is_success(self):

@@ -21,7 +21,7 @@ import jax
 import torch
 
 from .._core import metrics, storage
-from . import debug, fused, modes
+from . import debug, modes, recording
 from .kernels import kernel_for
 from .transfer import to_host
 
@@ -99,7 +99,7 @@ _HOST_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, t
 
 
 def _ready(t):
-    a = storage.buffer_of(t)._array
+    a = storage.buffer_of(t).peek()
     return a is None or (isinstance(a, jax.Array) and a.is_ready())
 
 
@@ -111,7 +111,7 @@ def _host_run(op, x, indices, values=None, rest=(), inplace=False):
     where one of its inputs is still being computed: waiting for it would stall the device's
     queue, so a training step's index ops compile at its first run, as every op does."""
     if _HOST_SECONDS <= 0 or modes.get_eager_mode() is modes.EagerMode.DEFER_AND_FUSE \
-            or fused.capturing():
+            or recording.capturing():
         return None
     tensors = [x] + [i for i in indices if i is not None]
     if values is not None:

@@ -22,7 +22,6 @@ import collections
 import concurrent.futures
 import os
 import threading
-import weakref
 
 import jax
 
@@ -137,11 +136,11 @@ def run(kernel, compiled, vals, buffers, scalars, device):
             # another signature (see Executable.__call__)
     # Values of other kinds (a fused trace's) are read outside the lock: reading them may run
     # the fused trace, which holds its own lock.
-    inputs = [b._array if queued(b._array) else b.value() for b in buffers]
+    inputs = [b.peek() if queued(b.peek()) else b.value() for b in buffers]
     with _lock:
         waiting = False
         for k, b in enumerate(buffers):
-            a = b._array
+            a = b.peek()
             if queued(a):
                 waiting = True
                 inputs[k] = a
@@ -206,8 +205,7 @@ def _enqueue(kernel, compiled, executable, vals, buffers, inputs, scalars, devic
     for j, info in zip(compiled.writes, updated_info):
         b = buffers[j]
         p = _pending(info)
-        p.owner = weakref.ref(b)
-        b._array = p
+        b.defer(p)
         writes.append((j, p))
     for a in inputs:
         if type(a) is Pending:
@@ -292,9 +290,7 @@ def _set(pendings, arrays):
         p.result = arr
         if p.slot in _queue.uses:  # a queued op reads it; else only its tensor holds it
             _queue.values[p.slot] = arr
-        owner = p.owner() if p.owner is not None else None
-        if owner is not None and owner._array is p:
-            owner._array = arr
+        p.settle(arr)
 
 
 def _fail(op, error):

@@ -14,7 +14,7 @@ from .._lowerings import attention
 from .._lowerings.batch_norm import _stats_dtype
 from .._lowerings.factories import _check_arange
 from .._lowerings.meta import _c10_name, dtype_name
-from . import fused, growing_sequences
+from . import growing_sequences, recording
 from .overlap import _INTERNAL, _internal_overlap
 from .kernels import kernel_for
 
@@ -343,9 +343,9 @@ def _long_target(overload, position):
 # --- zero_ -------------------------------------------------------------------------------
 
 # Optimizers create their state with zeros_like (empty_like, then zero_) on their first step:
-# zeroing a whole storage forgets its value instead of running an op (fused.replace_value).
+# zeroing a whole storage forgets its value instead of running an op (recording.replace_value).
 def _zero_(t):
-    if fused.replace_value(t, None):
+    if recording.replace_value(t, None):
         return t
     return kernel_for(aten.zero_.default)(t)
 

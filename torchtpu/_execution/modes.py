@@ -73,15 +73,35 @@ def own_mode():
     return _own.get()
 
 
-def _set_default(mode):
-    """The process-wide default; the calling thread's own choice, if it made one, follows (it
-    asked for this mode).  Leaving fused mode must flush its trace first (fused.set_mode does)."""
+# Run before the calling thread leaves fused mode: fused eager's flush (fused.py registers
+# it), so that what the thread deferred runs in the mode it was recorded in.
+_before_leaving_fused = []
+
+
+def before_leaving_fused(fn):
+    _before_leaving_fused.append(fn)
+
+
+def _leaving(mode):
+    if get_eager_mode() is EagerMode.DEFER_AND_FUSE and mode is not EagerMode.DEFER_AND_FUSE:
+        for fn in _before_leaving_fused:
+            fn()
+
+
+def set_default(mode):
+    """`torch.tpu.eager_mode = mode`: the process-wide default; the calling thread's own
+    choice, if it made one, follows (it asked for this mode).  Leaving fused mode first runs
+    what it deferred."""
     global _default
-    _default = _coerce(mode)
+    mode = _coerce(mode)
+    _leaving(mode)
+    _default = mode
     if _own.get() is not None:
         _own.set(_default)
 
 
-def _set_own(mode):
-    """The calling thread's own mode (None: the default again); flush first as above."""
-    _own.set(None if mode is None else _coerce(mode))
+def set_thread_mode(mode):
+    """The calling thread's own mode (None: back to the default), flushing as above."""
+    mode = None if mode is None else _coerce(mode)
+    _leaving(mode or _default)
+    _own.set(mode)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .._core import registry, storage
-from . import bounded, fused, modes, op_keys, op_programs, overlap
+from . import bounded, modes, op_keys, op_programs, overlap, recording
 from .op_programs import OutResized
 from .op_runners import runners_for
 from .random import draw_advance, generator, next_key_parts
@@ -76,7 +76,7 @@ class OpKernel:
                 # (an integer fmod by zero) must raise here, while the out= tensors can still
                 # get their old layouts back, not at a later wait (PyTorch checks before it
                 # resizes).  Only ops whose out= is resized pay this wait.
-                return self.call(args, kwargs, mode=None if fused.capturing() else _BLOCKING)
+                return self.call(args, kwargs, mode=None if recording.capturing() else _BLOCKING)
             except BaseException:
                 # A failing op leaves its out= as it was (PyTorch checks before resizing).
                 for t, shape, stride, offset in resized.args[0]:
@@ -98,7 +98,7 @@ class OpKernel:
         of XLA compile), while here each bucket size compiles once and the segment only records
         the copy.  Their values are strict eager's.
         None: the fill runs as it is (in a capture, or strict eager at a bucket size)."""
-        if fused.capturing():
+        if recording.capturing():
             return None
         t = args[0]
         n = t.numel()
@@ -111,7 +111,7 @@ class OpKernel:
         start = g.offset
         self(flat, *args[1:], **kwargs)  # draws with the key this call would have used
         g.offset = start + draw_advance(n)  # past this fill's n draws, not the bucket's
-        if not fused.replace_value(t, storage.buffer_of(flat).value()):
+        if not recording.replace_value(t, storage.buffer_of(flat).value()):
             t.copy_(flat[:n].view(t.shape))
         return t
 

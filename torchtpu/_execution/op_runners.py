@@ -4,7 +4,7 @@ kind of op, in a table (`runners_for`).
   strict eager (DEFER_NEVER)    run now, asynchronously: the executable is called (or the op is
                                 queued behind its compile: async_compile) and its outputs become
                                 new tensors; its checks are read at the host's next wait
-  fused eager (DEFER_AND_FUSE)  recorded into the trace (fused.record); its outputs are Pending
+  fused eager (DEFER_AND_FUSE)  recorded into the trace (recording.record); its outputs are Pending
   debug eager (DEFER_NEVER_AND_LAUNCH_BLOCKING)
                                 run now and waited for; a failure names the op, its inputs and
                                 the user's line, and its checks are read at once
@@ -24,7 +24,7 @@ import jax
 from .._core import metrics, storage
 from .._core.dtypes import to_torch_dtype
 from .._core.metrics import FlushReason
-from . import async_compile, debug, fused, modes, spmd, sync
+from . import async_compile, debug, fused, modes, recording, spmd, sync
 from .op_keys import device_scalars
 from .op_programs import one_value, wrap_specs
 from .op_results import commit, finish, raise_failed_checks
@@ -63,16 +63,16 @@ def _strict_collective(kernel, compiled, vals, call):
 
 # --- fused eager -------------------------------------------------------------------------------
 def _record(kernel, compiled, vals, call):
-    if not call.buffers and not kernel.low.random and one_value(compiled) and not fused.capturing():
+    if not call.buffers and not kernel.low.random and one_value(compiled) and not recording.capturing():
         # A single value made from Python numbers runs at once, outside the trace: code that
         # creates such state lazily on its first call (GradScaler's scale and growth tracker)
         # would otherwise make the first step's segment differ from the later ones.
         return _strict_now(kernel, compiled, vals, call)
-    return fused.record(kernel, compiled, vals, call.buffers, call.scalars, call.device)
+    return recording.record(kernel, compiled, vals, call.buffers, call.scalars, call.device)
 
 
 def _record_collective(kernel, compiled, vals, call):
-    if compiled.mesh is None or spmd.in_program() or fused.capturing():
+    if compiled.mesh is None or spmd.in_program() or recording.capturing():
         return _record(kernel, compiled, vals, call)
     fused.flush(FlushReason.COLLECTIVE, kernel.overload)  # a program of its own
     return _now(kernel, compiled, vals, call.buffers, call.scalars, call.device)
@@ -132,7 +132,7 @@ def _data_dependent_now(kernel, compiled, vals, call):
 
 
 def _data_dependent_in_trace(kernel, compiled, vals, call):
-    if not call.buffers and not kernel.low.random and not fused.capturing():
+    if not call.buffers and not kernel.low.random and not recording.capturing():
         return _data_dependent_now(kernel, compiled, vals, call)  # (as _record's single values)
     fused.flush(FlushReason.DATA_DEPENDENT, kernel.overload)
     return _data_dependent(kernel, compiled, vals, call, call.scalars)

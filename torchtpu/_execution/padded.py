@@ -30,7 +30,7 @@ import torch
 
 from .._core import registry, storage
 from .._core.dtypes import to_jax_dtype
-from . import async_compile, debug, executables, fused, modes, sync
+from . import async_compile, debug, executables, modes, recording, sync
 from .kernels import kernel_for
 from .op_programs import Compiled
 
@@ -46,7 +46,7 @@ def _flat(t, spare=True):
     buf = getattr(t.untyped_storage(), "_tpu", None)
     if buf is None:
         return None
-    array = buf._array
+    array = buf.peek()
     if type(array) is storage.Array:
         shape = array.shape
     elif async_compile.queued(array):  # an op still compiling: its array's shape is known
@@ -71,7 +71,7 @@ def _mode():
     the tensors' own sizes (run outside it, a chain of such ops would lose its fusion: 3x the
     time per op of a fused chain on a 1-D tensor of 1000), nor while ops are captured."""
     mode = modes.get_eager_mode()
-    return None if mode is _FUSED or fused.capturing() else mode
+    return None if mode is _FUSED or recording.capturing() else mode
 
 
 def _view(t, array):
@@ -83,7 +83,7 @@ def _view(t, array):
 def _shrunk(out, n):
     """`out` (a tensor over a whole array) as the tensor of n elements PyTorch gives, whose
     storage holds n; the array moves to it, room to spare and all."""
-    array = storage.buffer_of(out)._array  # (an op still compiling: its Pending moves too)
+    array = storage.buffer_of(out).peek()  # (an op still compiling: its Pending moves too)
     return storage.wrap(array, [n], [1], out.dtype, out.device.index, n * out.element_size())
 
 
@@ -110,7 +110,7 @@ def _operands(args, kwargs):
 def _padded_args(args, kwargs):
     def view(v):
         if isinstance(v, torch.Tensor) and v.dim() == 1:
-            return _view(v, storage.buffer_of(v)._array)
+            return _view(v, storage.buffer_of(v).peek())
         return v
     return [view(v) for v in args], {k: view(v) for k, v in kwargs.items()}
 
@@ -264,7 +264,7 @@ def index_put(kernel, args, kwargs):
         sync.defer([ok], error)
     sync.track(out)
     if kernel.writes:  # index_put_: x takes the result (it covers its storage)
-        fused.replace_value(x, out)
+        recording.replace_value(x, out)
         return x
     return storage.wrap(out, [x.numel()], [1], x.dtype, x.device.index, x.numel() * x.element_size())
 
@@ -287,7 +287,7 @@ def copy(dst, src):
         return False
     target = storage.wrap(None, [array.size], [1], dst.dtype, dst.device.index)
     kernel_for(aten.copy_.default).call([target, _view(src, array)], {}, mode=mode)
-    return fused.replace_value(dst, storage.buffer_of(target).value())
+    return recording.replace_value(dst, storage.buffer_of(target).value())
 
 
 # --- which ops -------------------------------------------------------------------------------

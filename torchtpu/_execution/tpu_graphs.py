@@ -31,8 +31,9 @@ import torch
 
 from .._core import metrics, runtime
 from .._core.metrics import FlushReason
-from .._core.storage import Array, Pending
-from . import debug, fused, sync
+from .._core.storage import Array
+from . import debug, fused, recording, sync
+from .segment import PackedScalars, Segment, donation_warnings_ignored
 
 _capturing = None  # the TPUGraph being captured
 
@@ -74,7 +75,7 @@ class TPUGraph:
 
     def __init__(self, keep_graph=False):
         self._captured = False
-        self._trace = None
+        self._capture = None  # (recording.start_capture's handle, the mode to restore)
         self._pool = None
 
     def capture_begin(self, pool=None, capture_error_mode="global"):
@@ -87,40 +88,38 @@ class TPUGraph:
         self._pool = pool if pool is not None else graph_pool_handle()
         self._hyper = []
         self._opt_state = {}
-        self._trace, self._mode = fused.start_capture(runtime.current_device(), by_storage=True)
+        self._capture = recording.start_capture(runtime.current_device(), by_storage=True)
         _capturing = self
 
     def capture_end(self):
-        tr = self._end()
+        recorded = self._stop()
         try:
-            with fused.donation_warnings_ignored():
-                self._build(tr)
+            if not recorded.intact:
+                # Only reached when the capture error raised at the op was caught and ignored.
+                raise RuntimeError(
+                    "torch.tpu graph capture: the captured ops were forced to run part-way")
+            with donation_warnings_ignored():
+                self._build(recorded)
         finally:
-            _release(tr)
-
-    def _end(self):
-        tr, intact = self._stop()
-        if not intact:
-            _release(tr)
-            # Only reached when the capture error raised at the op was caught and ignored.
-            raise RuntimeError("torch.tpu graph capture: the captured ops were forced to run part-way")
-        return tr
+            # Capturing commits nothing: storages the step wrote get back the values they had,
+            # and tensors it created read as zeros (like fresh memory) until a replay writes them.
+            recorded.restore()
 
     def _abort(self):
-        _release(self._stop()[0])
+        self._stop().restore()
 
     def _stop(self):
         global _capturing
         _capturing = None
-        tr, self._trace = self._trace, None
-        return tr, fused.stop_capture(tr, self._mode)
+        capture, self._capture = self._capture, None
+        return recording.stop_capture(*capture)
 
-    def _build(self, tr):
-        self._device = tr.device
-        self._inputs = list(tr.ext_buffers)
+    def _build(self, recorded):
+        self._device = recorded.device
+        self._inputs = list(recorded.input_storages)
         source = {id(b): k for k, b in enumerate(self._inputs)}
         slots, guarded, self._outputs = [], [], []
-        for p in tr.live_outputs():
+        for p in recorded.outputs:
             k = source.get(id(p.owner()))
             if k is not None:  # a storage the step overwrites
                 guarded.append((len(slots), k))
@@ -129,19 +128,17 @@ class TPUGraph:
         self._written = [k for _, k in guarded]  # (step.py asks)
         written = set(self._written)
         self._held = tuple(int(k in written) for k in range(len(self._inputs)))
-        self._where = list(tr.where)
-        self.ran_backward = tr.ran_backward  # (a compiled step asks, step.py)
-        types = tuple(map(type, tr.scalars))
-        self._scalars = fused.PackedScalars(tr.scalars, types, tr.random_positions(), tr.device)
-        # One runner for recorded op sequences: the graph is a fused.Segment whose results
-        # for the storages it overwrites are guarded (a failed check keeps them), so it
-        # donates them even where index checks can fail.
-        self._segment = fused.Segment(tuple(tr.signature), slots, types, "tpu_graph", guarded,
-                                      fused.baked(tr.scalars, types))
+        self._where = list(recorded.where)
+        self.ran_backward = recorded.ran_backward  # (a compiled step asks, step.py)
+        self._scalars = PackedScalars.of(recorded)
+        # One runner for recorded op sequences: the graph is a Segment whose results for the
+        # storages it overwrites are guarded (a failed check keeps them), so it donates them
+        # even where index checks can fail.
+        self._segment = Segment.from_recording(recorded, "tpu_graph", slots, guarded, baked=True)
         # Loaded from the store, or compiled on a thread of its own while the host goes on
         # (the first replay waits for it); traced here, so that what the lowering refuses
         # raises here.
-        self._segment.prebuild(tr.ext_arrays, tuple(bool(h) for h in self._held),
+        self._segment.prebuild(recorded.inputs, tuple(bool(h) for h in self._held),
                                self._scalars.for_run())
         self._captured = True
         metrics.counters["tpu_graph_captures"] += 1
@@ -170,7 +167,7 @@ class TPUGraph:
             inputs = [inputs.get(k, b) for k, b in enumerate(self._inputs)]
         else:
             inputs = self._inputs
-        arrays = [b._array for b in inputs]
+        arrays = [b.peek() for b in inputs]
         for k, b in enumerate(inputs):
             if type(arrays[k]) is not Array:
                 arrays[k] = b.value()
@@ -186,12 +183,12 @@ class TPUGraph:
         for ref, r in self._outputs:
             b = ref()
             if b is not None:
-                b._array = results[r]
+                b.array = results[r]
         if results:
             sync.track(results[0])  # what torch.tpu.synchronize() waits for
 
     def reset(self):
-        if self._trace is not None:
+        if self._capture is not None:
             self._abort()
         self._captured = False
         self._inputs = self._outputs = self._segment = None
@@ -228,24 +225,6 @@ class TPUGraph:
             text = self._segment.lower(arrays, self._scalars.for_run()).as_text()
         with open(debug_path, "w") as f:
             f.write(text)
-
-
-def _release(tr):
-    """Capturing commits nothing: storages the step wrote get back the values they had, and
-    tensors it created read as zeros (like fresh memory) until a replay writes them."""
-    for k, b in enumerate(tr.ext_buffers):
-        a = b._array
-        if type(a) is Pending and a.trace is tr:
-            queued = tr.ext_queued.get(k)
-            if queued is None:
-                b._array = tr.ext_arrays[k]
-            else:  # the strict op still queued, or its result if it ran during the capture
-                b._array = queued if queued.result is None else queued.result
-    for p in tr.live_outputs():
-        p.owner()._array = None
-    tr.release()
-    tr.ext_buffers = []
-    tr.ext_queued = {}
 
 
 def _hyper_value(v):
@@ -309,7 +288,7 @@ class graph:
             self.tpu_graph.capture_end()
             return False
         self.tpu_graph._abort()
-        if isinstance(exc, fused.CaptureBroken):
+        if isinstance(exc, recording.CaptureBroken):
             raise _capture_error(exc) from exc
         return False
 

@@ -9,7 +9,7 @@ import torch
 
 from .._core import runtime, storage
 from .._core.dtypes import numpy_to_tensor, tensor_to_numpy, to_jax_dtype
-from . import fused, padded, strided, sync
+from . import fused, padded, recording, strided, sync
 from .._core import metrics
 from .._core.metrics import FlushReason
 from .kernels import kernel_for
@@ -95,7 +95,7 @@ def _copy_(self, src, non_blocking=False):
     if src.device.type != "tpu":  # host -> device
         src = from_host(src, self.device.index)
         if src.dtype == self.dtype and src.shape == self.shape and \
-                fused.replace_value(self, storage.buffer_of(src).value()):
+                recording.replace_value(self, storage.buffer_of(src).value()):
             return self
     elif src.untyped_storage()._tpu is self.untyped_storage()._tpu:
         _check_no_partial_overlap(self, src)

@@ -4,7 +4,7 @@ import torch
 
 from .._core import storage
 from .._core.runtime import device_index
-from . import fused
+from . import recording
 
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 aten = torch.ops.aten
@@ -55,16 +55,16 @@ def _empty(size, stride, dtype, index):
                 f"Trying to create tensor with negative dimension {n}: {list(size)}")
     t = storage.wrap(None, size, stride, dtype, index)
     if tuple(stride) == storage.contiguous_strides(size):
-        # Its zeros, if it is read before written, take its shape (fused.py, storage.py): its
+        # Its zeros, if it is read before written, take its shape (recording.py, storage.py): its
         # views are then slices of their dims, not of a flat array (strided.py).
         storage.buffer_of(t).made_as = tuple(size)
-    fused.note_new_storage(t)
+    recording.note_new_storage(t)
     return t
 
 
 def resize_storage(st, nbytes):
     """`UntypedStorage.resize_` (patches.py).  A tpu storage grown from nothing during a
-    torch.tpu graph's capture is one the capture made, as `empty`'s are (fused.Trace.born):
+    torch.tpu graph's capture is one the capture made, as `empty`'s are (recording.Trace.born):
     FSDP2 frees each unit's unsharded parameters with resize_(0) and makes them anew with
     resize_(n) before gathering into them, so in a captured step they are the program's own
     temporaries, not inputs and outputs held across replays (the whole model's parameters
@@ -72,7 +72,7 @@ def resize_storage(st, nbytes):
     grown = st.device.type == "tpu" and st.nbytes() == 0 and int(nbytes) > 0
     st = storage.resize_storage(st, nbytes)
     if grown:
-        fused.note_new_buffer(st._tpu)
+        recording.note_new_buffer(st._tpu)
     return st
 
 

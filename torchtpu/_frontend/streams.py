@@ -86,8 +86,8 @@ class Event:
         self._noted = None  # (timed events) set once the watcher has noted `_done_at`
 
     def record(self, stream=None):
-        from .._execution import fused, sync
-        self._trace = fused.current_trace()
+        from .._execution import fused, recording, sync
+        self._trace = recording.current_trace()
         if self._trace is not None and self.enable_timing:
             fused.flush(FlushReason.EVENT)
             self._trace = None
@@ -100,9 +100,9 @@ class Event:
 
     def _run_deferred(self):
         """Run the fused ops recorded before this event, if they have not run yet."""
-        from .._execution import fused, sync
+        from .._execution import fused, recording, sync
         if self._trace is not None:
-            if fused.current_trace() is self._trace:
+            if recording.current_trace() is self._trace:
                 fused.flush(FlushReason.EVENT)
             self._trace = None
             self._arrays = sync.pending()

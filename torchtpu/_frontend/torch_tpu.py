@@ -9,7 +9,6 @@ import torch
 
 from .._core import runtime, storage
 from .._core.metrics import FlushReason
-from .._execution import fused as _fused
 from .._execution import modes as _modes
 from .._execution import random as _random
 
@@ -291,13 +290,13 @@ class set_eager_mode:
 
     def __init__(self, mode):
         self.previous = _modes.own_mode()
-        _fused.set_thread_mode(mode)
+        _modes.set_thread_mode(mode)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        _fused.set_thread_mode(self.previous)
+        _modes.set_thread_mode(self.previous)
         return False
 
 
@@ -311,7 +310,7 @@ class _DeviceModule(types.ModuleType):
 
     @eager_mode.setter
     def eager_mode(self, mode):
-        _fused.set_mode(mode)
+        _modes.set_default(mode)
 
 
 def use_device_module_class():
