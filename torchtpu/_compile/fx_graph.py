@@ -13,7 +13,7 @@ import warnings
 import torch
 
 from .._core import storage
-from .._execution import bounded, op_keys, recording, sync
+from .._execution import bounded, modes, op_keys, recording, sync
 from .._execution.segment import PackedScalars, Segment
 from .._core import metrics
 from .._core import registry
@@ -205,7 +205,7 @@ class CompiledGraph:
     def __call__(self, *args):
         # AOTAutograd calls forward graphs boxed (one list) and backward graphs unboxed.
         args = list(args[0]) if len(args) == 1 and isinstance(args[0], list) else list(args)
-        if self.eager or recording.capturing():
+        if self.eager or modes.get_eager_mode() is modes.CAPTURE:
             # In a torch.tpu graph capture (a whole compiled step, step.py) its ops are recorded
             # into the capture's trace.
             return self.gm(*args)

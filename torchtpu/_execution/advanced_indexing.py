@@ -21,7 +21,7 @@ import jax
 import torch
 
 from .._core import metrics, storage
-from . import debug, modes, recording
+from . import debug, modes
 from .kernels import kernel_for
 from .transfer import to_host
 
@@ -110,8 +110,7 @@ def _host_run(op, x, indices, values=None, rest=(), inplace=False):
     also compiles, and stays compiled, once its host runs have cost _HOST_SECONDS or at a call
     where one of its inputs is still being computed: waiting for it would stall the device's
     queue, so a training step's index ops compile at its first run, as every op does."""
-    if _HOST_SECONDS <= 0 or modes.get_eager_mode() is modes.EagerMode.DEFER_AND_FUSE \
-            or recording.capturing():
+    if _HOST_SECONDS <= 0 or modes.recorded():
         return None
     tensors = [x] + [i for i in indices if i is not None]
     if values is not None:

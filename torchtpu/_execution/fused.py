@@ -141,7 +141,7 @@ def _replay_and_raise(recorded, reason):
 
 
 def _on_optimizer_step(optimizer, args, kwargs):
-    if modes.get_eager_mode() is modes.EagerMode.DEFER_AND_FUSE and not recording.capturing():
+    if modes.get_eager_mode() is modes.EagerMode.DEFER_AND_FUSE:
         flush(FlushReason.OPTIMIZER_STEP)  # a captured step continues after optimizer.step()
 
 

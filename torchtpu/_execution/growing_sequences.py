@@ -28,7 +28,7 @@ from .._core import storage
 from .._core.dtypes import to_jax_dtype
 from .._core.runtime import jax_precision
 from .._lowerings.attention import _attention
-from . import executables, modes, recording, strided
+from . import executables, modes, strided
 from .kernels import kernel_for
 
 aten = torch.ops.aten
@@ -50,7 +50,7 @@ def _append_of(tensors, dim):
     """(a, b, d) when `cat(tensors, dim)` appends b after a along dim d, a being contiguous
     from the start of its storage (so that its buffer's array holds its elements first), or
     the empty 1-D tensor that PyTorch's cat skips (a dynamic KV cache's first update)."""
-    if len(tensors) != 2 or recording.capturing():
+    if len(tensors) != 2 or modes.get_eager_mode() is modes.CAPTURE:
         return None
     a, b = tensors
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
@@ -102,7 +102,7 @@ def _array_of(a):
     buf = storage.buffer_of(a)
     array = buf.peek()
     if type(array) is not storage.Array:
-        if array is None or modes.get_eager_mode() is modes.EagerMode.DEFER_AND_FUSE:
+        if array is None or modes.recorded():
             return None  # (a plain op instead, which does not run the trace)
         array = buf.value()  # an op of strict eager still compiling: wait for it
     if array.dtype != to_jax_dtype(a.dtype):
@@ -197,7 +197,7 @@ def attention(q, k, v, attn_mask, is_causal, scale):
     """softmax(q kᵀ) v as `_scaled_dot_product_fused_attention_overrideable` computes it, for
     keys and values grown by appends, in a program whose key length is an argument; None
     where that does not apply (a mask, a gradient to record, keys of another kind)."""
-    if attn_mask is not None or recording.capturing():
+    if attn_mask is not None or modes.get_eager_mode() is modes.CAPTURE:
         return None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return None

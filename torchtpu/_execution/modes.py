@@ -5,6 +5,11 @@ DEFER_NEVER                      strict: every op runs at once as its own cached
 DEFER_NEVER_AND_LAUNCH_BLOCKING  debug: every op also waits for its result; runtime errors name
                                  the aten op, its inputs and the user's line
 DEFER_AND_FUSE                   fused: ops are recorded and run later as one cached executable
+
+and one internal mode, CAPTURE: the ops a capture records (recording.start_capture: a torch.tpu
+graph, a compiled graph, torchtpu.scaling's step), as fused eager records them but never run
+before the capture ends; each runner table has its entry (op_runners.py), and code that takes
+another path for recorded ops asks `recorded()`.  Users see it as DEFER_AND_FUSE.
 """
 import contextvars
 import enum
@@ -17,6 +22,19 @@ class EagerMode(enum.Enum):
     DEFER_AND_FUSE = "fused"
     DEFER_NEVER = "strict"
     DEFER_NEVER_AND_LAUNCH_BLOCKING = "debug"
+
+
+class _Capture:
+    """The CAPTURE mode (see the module docstring)."""
+
+    name = value = "capture"
+
+    def __repr__(self):
+        return "<internal eager mode CAPTURE>"
+
+
+CAPTURE = _Capture()
+_RECORDED = (EagerMode.DEFER_AND_FUSE, CAPTURE)
 
 
 def _from_environment():
@@ -38,7 +56,7 @@ check_nans = os.environ.get("TORCHTPU_CHECK_NANS", "0") not in ("", "0")
 
 
 def _coerce(mode):
-    if isinstance(mode, EagerMode):
+    if isinstance(mode, EagerMode) or mode is CAPTURE:
         return mode
     if isinstance(mode, str):
         for m in EagerMode:
@@ -56,16 +74,16 @@ def get_eager_mode():
     return mode or _default
 
 
-def __getattr__(name):
-    # `modes.current` / `.fused` / `.blocking`: the calling thread's mode, as module values
-    # once were (the process-wide mode before threads could choose their own).
-    if name == "current":
-        return get_eager_mode()
-    if name == "fused":
-        return get_eager_mode() is EagerMode.DEFER_AND_FUSE
-    if name == "blocking":
-        return get_eager_mode() is EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def public_mode():
+    """The calling thread's mode as users see it (`torch.tpu.get_eager_mode()`): a capture
+    records as fused eager does."""
+    mode = get_eager_mode()
+    return EagerMode.DEFER_AND_FUSE if mode is CAPTURE else mode
+
+
+def recorded():
+    """Whether the calling thread's ops are recorded rather than run (fused eager, a capture)."""
+    return get_eager_mode() in _RECORDED
 
 
 def own_mode():
@@ -83,7 +101,8 @@ def before_leaving_fused(fn):
 
 
 def _leaving(mode):
-    if get_eager_mode() is EagerMode.DEFER_AND_FUSE and mode is not EagerMode.DEFER_AND_FUSE:
+    current = get_eager_mode()
+    if current in _RECORDED and mode is not current:
         for fn in _before_leaving_fused:
             fn()
 
@@ -96,12 +115,14 @@ def set_default(mode):
     mode = _coerce(mode)
     _leaving(mode)
     _default = mode
-    if _own.get() is not None:
+    if _own.get() not in (None, CAPTURE):
         _own.set(_default)
 
 
 def set_thread_mode(mode):
     """The calling thread's own mode (None: back to the default), flushing as above."""
     mode = None if mode is None else _coerce(mode)
+    if mode is EagerMode.DEFER_AND_FUSE and get_eager_mode() is CAPTURE:
+        mode = CAPTURE  # fused eager inside a capture: the capture goes on recording
     _leaving(mode or _default)
     _own.set(mode)

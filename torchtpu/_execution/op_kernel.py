@@ -22,6 +22,9 @@ from .op_runners import runners_for
 from .random import draw_advance, generator, next_key_parts
 
 _FUSED, _BLOCKING = modes.EagerMode.DEFER_AND_FUSE, modes.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
+# The mode an op whose out= PyTorch resized runs in (OpKernel.__call__): waited for, except in a
+# capture, which runs nothing before it ends.
+_WAITED = {modes.CAPTURE: modes.CAPTURE}
 _STRICT = modes.EagerMode.DEFER_NEVER
 _NO_KEY = np.uint64(0)  # a random op's seed and offset before they are drawn
 
@@ -76,7 +79,7 @@ class OpKernel:
                 # (an integer fmod by zero) must raise here, while the out= tensors can still
                 # get their old layouts back, not at a later wait (PyTorch checks before it
                 # resizes).  Only ops whose out= is resized pay this wait.
-                return self.call(args, kwargs, mode=None if recording.capturing() else _BLOCKING)
+                return self.call(args, kwargs, mode=_WAITED.get(modes.get_eager_mode(), _BLOCKING))
             except BaseException:
                 # A failing op leaves its out= as it was (PyTorch checks before resizing).
                 for t, shape, stride, offset in resized.args[0]:
@@ -98,11 +101,12 @@ class OpKernel:
         of XLA compile), while here each bucket size compiles once and the segment only records
         the copy.  Their values are strict eager's.
         None: the fill runs as it is (in a capture, or strict eager at a bucket size)."""
-        if recording.capturing():
+        mode = modes.get_eager_mode()
+        if mode is modes.CAPTURE:
             return None
         t = args[0]
         n = t.numel()
-        in_trace = modes.get_eager_mode() is _FUSED
+        in_trace = mode is _FUSED
         size = fill_bucket(n)
         if n == 0 or not t.is_contiguous() or size == n:
             return self.call(args, kwargs, mode=_STRICT) if in_trace else None

@@ -362,7 +362,7 @@ def build(kernel, vals, buffers, scalars, device):
 
     compiled.run = run
     compiled.fn = run  # jitted by `executable` once the key is known, eager ops stay as they are
-    if (modes.fused and not low.eager and write_targets and low.mesh is None
+    if (modes.recorded() and not low.eager and write_targets and low.mesh is None
             and all(b.dtype is not None for b in buffers)):
         # Fused mode traces an op when its segment runs; an in-place or out= op is traced
         # abstractly here once, so that an input JAX refuses raises at the call, before the

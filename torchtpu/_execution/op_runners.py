@@ -8,6 +8,9 @@ kind of op, in a table (`runners_for`).
   debug eager (DEFER_NEVER_AND_LAUNCH_BLOCKING)
                                 run now and waited for; a failure names the op, its inputs and
                                 the user's line, and its checks are read at once
+  a capture (modes.CAPTURE)     recorded as in fused eager, every op, into a trace that runs
+                                nothing before the capture ends: an op that needs a value
+                                (data-dependent, a collective of its own) breaks the capture
 
 Kinds of op: those of the table; data-dependent ones (`eager=True` lowerings: their values
 decide their outputs' shapes), which wait for their inputs and run their lowering un-jitted;
@@ -32,6 +35,7 @@ from .op_results import commit, finish, raise_failed_checks
 _STRICT = modes.EagerMode.DEFER_NEVER
 _FUSED = modes.EagerMode.DEFER_AND_FUSE
 _BLOCKING = modes.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
+_CAPTURE = modes.CAPTURE
 
 
 # --- strict eager ------------------------------------------------------------------------------
@@ -63,7 +67,7 @@ def _strict_collective(kernel, compiled, vals, call):
 
 # --- fused eager -------------------------------------------------------------------------------
 def _record(kernel, compiled, vals, call):
-    if not call.buffers and not kernel.low.random and one_value(compiled) and not recording.capturing():
+    if not call.buffers and not kernel.low.random and one_value(compiled):
         # A single value made from Python numbers runs at once, outside the trace: code that
         # creates such state lazily on its first call (GradScaler's scale and growth tracker)
         # would otherwise make the first step's segment differ from the later ones.
@@ -72,10 +76,15 @@ def _record(kernel, compiled, vals, call):
 
 
 def _record_collective(kernel, compiled, vals, call):
-    if compiled.mesh is None or spmd.in_program() or recording.capturing():
+    if compiled.mesh is None or spmd.in_program():
         return _record(kernel, compiled, vals, call)
     fused.flush(FlushReason.COLLECTIVE, kernel.overload)  # a program of its own
     return _now(kernel, compiled, vals, call.buffers, call.scalars, call.device)
+
+
+# --- a capture ---------------------------------------------------------------------------------
+def _capture(kernel, compiled, vals, call):
+    return recording.record(kernel, compiled, vals, call.buffers, call.scalars, call.device)
 
 
 # --- debug eager -------------------------------------------------------------------------------
@@ -132,9 +141,13 @@ def _data_dependent_now(kernel, compiled, vals, call):
 
 
 def _data_dependent_in_trace(kernel, compiled, vals, call):
-    if not call.buffers and not kernel.low.random and not recording.capturing():
+    if not call.buffers and not kernel.low.random:
         return _data_dependent_now(kernel, compiled, vals, call)  # (as _record's single values)
-    fused.flush(FlushReason.DATA_DEPENDENT, kernel.overload)
+    return _data_dependent_after_flush(kernel, compiled, vals, call)
+
+
+def _data_dependent_after_flush(kernel, compiled, vals, call):
+    fused.flush(FlushReason.DATA_DEPENDENT, kernel.overload)  # (a capture: CaptureBroken)
     return _data_dependent(kernel, compiled, vals, call, call.scalars)
 
 
@@ -143,12 +156,13 @@ def _data_dependent_blocking(kernel, compiled, vals, call):
     return _data_dependent_now(kernel, compiled, vals, call)
 
 
-_TABLE_OPS = {_STRICT: _strict, _FUSED: _record, _BLOCKING: _blocking}
+_TABLE_OPS = {_STRICT: _strict, _FUSED: _record, _BLOCKING: _blocking, _CAPTURE: _capture}
 _DATA_DEPENDENT = {_STRICT: _data_dependent_now, _FUSED: _data_dependent_in_trace,
-                   _BLOCKING: _data_dependent_blocking}
+                   _BLOCKING: _data_dependent_blocking, _CAPTURE: _data_dependent_after_flush}
 # A collective is a program over its group's mesh (compiled.mesh; None for a group of one
 # process, whose collectives run as the table's ops do).
-_COLLECTIVES = {_STRICT: _strict_collective, _FUSED: _record_collective, _BLOCKING: _blocking}
+_COLLECTIVES = {_STRICT: _strict_collective, _FUSED: _record_collective, _BLOCKING: _blocking,
+                _CAPTURE: _capture}
 
 
 def runners_for(low):

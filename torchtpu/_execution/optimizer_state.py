@@ -12,13 +12,13 @@ import math
 
 import torch
 
-from . import recording
+from . import modes
 
 
 def _momentum_buffers(optimizer, args, kwargs):
     # While a torch.tpu graph captures, state created by the step is refused (tpu_graphs.py):
     # PyTorch's own first step runs, so that the refusal names it.
-    if not isinstance(optimizer, torch.optim.SGD) or recording.capturing():
+    if not isinstance(optimizer, torch.optim.SGD) or modes.get_eager_mode() is modes.CAPTURE:
         return
     for group in optimizer.param_groups:
         momentum = group["momentum"]

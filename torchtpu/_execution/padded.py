@@ -35,7 +35,6 @@ from .kernels import kernel_for
 from .op_programs import Compiled
 
 aten = torch.ops.aten
-_FUSED = modes.EagerMode.DEFER_AND_FUSE
 
 
 def _flat(t, spare=True):
@@ -70,8 +69,7 @@ def _mode():
     """The eager mode to run in here, or None: not in fused eager, whose trace records ops on
     the tensors' own sizes (run outside it, a chain of such ops would lose its fusion: 3x the
     time per op of a fused chain on a 1-D tensor of 1000), nor while ops are captured."""
-    mode = modes.get_eager_mode()
-    return None if mode is _FUSED or recording.capturing() else mode
+    return None if modes.recorded() else modes.get_eager_mode()
 
 
 def _view(t, array):

@@ -314,7 +314,7 @@ def start_capture(device, by_storage=False, abstract=False):
     global _trace
     _flush(FlushReason.CAPTURE)
     previous = modes.own_mode()
-    modes.set_thread_mode(modes.EagerMode.DEFER_AND_FUSE)
+    modes.set_thread_mode(modes.CAPTURE)
     tr = _trace = Trace(device)
     tr.captured = True
     if by_storage:

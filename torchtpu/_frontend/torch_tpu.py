@@ -280,7 +280,7 @@ from .._execution.tpu_graphs import (TPUGraph, graph, graph_pool_handle,  # noqa
 # --- execution modes -----------------------------------------------------------------------
 
 EagerMode = _modes.EagerMode
-get_eager_mode = _modes.get_eager_mode
+get_eager_mode = _modes.public_mode
 
 
 class set_eager_mode:
@@ -306,7 +306,7 @@ class _DeviceModule(types.ModuleType):
 
     @property
     def eager_mode(self):
-        return _modes.get_eager_mode()
+        return _modes.public_mode()
 
     @eager_mode.setter
     def eager_mode(self, mode):
