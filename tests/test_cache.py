@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from torchtpu._compile import cache
+from torchtpu._execution import persistent_cache as cache
 
 
 def mode_of(path):

@@ -73,7 +73,7 @@ def info():
               f"allocated {torch.tpu.memory_allocated(i)} B")
     print(f"float32 matmul precision  {torch.get_float32_matmul_precision()}")
     print(f"eager mode  {torch.tpu.eager_mode.name}")
-    from torchtpu._compile import cache
+    from torchtpu._execution import persistent_cache as cache
     print(f"compilation cache  {cache.directory() or 'off'}")
 
 
@@ -94,7 +94,7 @@ def bench(extra):
 
 def cache(action):
     """`python -m torchtpu cache info` shows the compilation cache, `cache clear` empties it."""
-    from torchtpu._compile import cache as compilation_cache
+    from torchtpu._execution import persistent_cache as compilation_cache
     if action == "clear":
         print(f"removed {compilation_cache.clear()} entries from {compilation_cache.directory()}")
     else:

@@ -1,7 +1,7 @@
 """The store of the persistent compilation cache: verified entries in a private directory.
 
 TORCHTPU_CACHE_DIR picks the directory (default: ~/.cache/torchtpu/xla, or under
-$XDG_CACHE_HOME); TORCHTPU_CACHE_DIR="" turns it off.  `_compile/cache.py` installs it as
+$XDG_CACHE_HOME); TORCHTPU_CACHE_DIR="" turns it off.  `_execution/persistent_cache.py` installs it as
 JAX's cache; `_execution/executables.py` keeps TorchTPU's own executables in it.
 
 Its entries are compiled code that later runs load, so the cache is private and checked:

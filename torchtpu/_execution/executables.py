@@ -3,7 +3,7 @@
 Every path compiles through `Executable`, a `jax.jit` that keeps one executable per argument
 signature: strict eager's per-op executables (`op_programs`), fused segments and compiled graphs
 (`segment.Segment`).  On a miss in memory it looks in the persistent store (`_core/cache_store.py`,
-installed by `_compile/cache.enable()`) under a key made of
+installed by `persistent_cache.enable()`) under a key made of
   - what the caller keys the program on in memory (an op: its overload, static arguments and
     input layouts; a segment: its ops' keys, wiring and outputs, and the donated inputs),
   - the argument signature (shapes, dtypes, weak types, placement of every array),

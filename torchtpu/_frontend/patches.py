@@ -19,10 +19,11 @@ import torch
 
 import torchtpu_autoload
 
-from .._compile import backend, cache, step
+from .._compile import backend, step
 from .._core import runtime, storage
 from .._distributed import fsdp, launch
-from .._execution import flex_attention_kernels, fused, optimizer_state, tpu_graphs, views
+from .._execution import (flex_attention_kernels, fused, optimizer_state, persistent_cache,
+                          tpu_graphs, views)
 from . import current, torch_tpu
 
 CHECKED_ON = ("2.13",)
@@ -312,7 +313,7 @@ PATCHES = [
           "creates files with the umask and loads whatever it finds); JAX consults it only "
           "when jax_compilation_cache_dir is set; the listener counts JAX's cache hits in "
           "torchtpu.metrics(). Nothing is patched when the cache is off",
-          cache.enable),
+          persistent_cache.enable),
     Patch(("torch._dynamo.trace_rules.SKIP_DIRS",),
           "torchtpu's layers and JAX run below the dispatcher: Dynamo must not trace them",
           backend.skip_own_frames, _DYNAMO),

@@ -17,7 +17,7 @@ import jax
 from .._core import metrics
 from .._core.cache_store import (DEFAULT_MAX_BYTES, MIN_COMPILE_SECONDS, PrivateCache, directory,  # noqa: F401
                            max_bytes, open_cache, private_directory, versions)
-from .._execution import executables
+from . import executables
 
 
 def _count(event, **kwargs):
