@@ -323,7 +323,7 @@ def _t(d, v, dtype=None):
 
 
 _u8, _f64 = torch.uint8, torch.float64
-# What the long fuzzer run (python -m torchtpu.fuzz --seed 0 --calls 3000) still found: one
+# What the long fuzzer run (python -m torchtpu.conformance.fuzz --seed 0 --calls 3000) still found: one
 # case per class fixed, run in every eager mode.
 FUZZ_CASES = {
     # float -> integer conversion as the CPU's (x86) kernels do it: through int32 for narrow
@@ -385,7 +385,7 @@ FUZZ_CASES = {
     "argmin_empty": lambda d: torch.argmin(torch.ones(0, device=d)),
     "min_dim_empty": lambda d: torch.min(torch.ones(0, device=d), dim=0),
     "median_dim_empty": lambda d: torch.median(torch.ones(0, dtype=torch.int32, device=d), 0),
-    # seeds 1 and 2 (python -m torchtpu.fuzz --seed 1 --calls 3000): silent successes and
+    # seeds 1 and 2 (python -m torchtpu.conformance.fuzz --seed 1 --calls 3000): silent successes and
     # refusals of a 0-dim index
     "interpolate_nearest_int": lambda d: F.interpolate(torch.ones(1, 1, 4, dtype=torch.int64, device=d), size=8),
     "interpolate_nearest_exact_bool": lambda d: F.interpolate(
@@ -488,9 +488,9 @@ def test_cholesky_ex_info_is_lapacks():
 
 
 def test_short_fuzz_run_finds_nothing_wrong(eager_mode):
-    """A seeded run of the bad-input fuzzer (python -m torchtpu.fuzz): no wrong values, no
+    """A seeded run of the bad-input fuzzer (python -m torchtpu.conformance.fuzz): no wrong values, no
     silent successes, no mutated inputs, no unusable device."""
-    from torchtpu import fuzz
+    from torchtpu.conformance import fuzz
     counts, offending = fuzz.run(seed=17, calls=40, modes=[eager_mode], call_timeout=120)
     bad = [o for o in offending if o[1] in fuzz.FAILURES]
     assert sum(counts[eager_mode].values()) == 40

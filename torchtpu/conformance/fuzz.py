@@ -1,6 +1,6 @@
 """A bad-input fuzzer: the same randomly built calls on `tpu` and on the CPU, compared.
 
-    python -m torchtpu.fuzz --seed 0 --seconds 600 --modes strict,fused,debug
+    python -m torchtpu.conformance.fuzz --seed 0 --seconds 600 --modes strict,fused,debug
 
 Each call gets common ops (pointwise, reductions, indexing, matmuls, views, factories, losses,
 convolutions, cat/stack, in-place and out= variants) with inputs chosen to be wrong as often as
@@ -687,7 +687,7 @@ def _worker(argv):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m torchtpu.fuzz", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m torchtpu.conformance.fuzz", description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seconds", type=float, default=60.0, help="stop after this long")
     p.add_argument("--calls", type=int, default=None, help="stop after this many calls")
@@ -703,7 +703,7 @@ def main(argv=None):
     i = a.start
     limit = a.start + a.calls if a.calls is not None else 1 << 62
     while i < limit and time.time() < deadline:
-        cmd = [sys.executable, "-m", "torchtpu.fuzz", "--worker", "--seed", str(a.seed),
+        cmd = [sys.executable, "-m", "torchtpu.conformance.fuzz", "--worker", "--seed", str(a.seed),
                "--start", str(i), "--calls", str(limit - i), "--deadline", str(deadline),
                "--modes", a.modes, "--call-timeout", str(a.call_timeout)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -737,7 +737,7 @@ def main(argv=None):
 
 
 def _report(counts, offending, args, quiet=False):
-    print(f"torchtpu.fuzz --seed {args.seed} --modes {args.modes}: "
+    print(f"torchtpu.conformance.fuzz --seed {args.seed} --modes {args.modes}: "
           f"{sum(counts[next(iter(counts))].values())} calls per mode")
     for mode, c in counts.items():
         both = c["raise_same"] + c["raise_other"]
