@@ -532,7 +532,7 @@ def scenario_fsdp_setup():
     # It reads the shards, their gradients and AdamW's two states (and a few numbers); FSDP2's
     # unsharded parameters and collective buffers are its own temporaries.
     shards = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    read = sum(b.nbytes for b in g._inputs)
+    read = sum(b.nbytes for b in g.input_storages)
     assert read <= 4 * shards + tokens.nbytes + 4096, (read, shards)
     with tempfile.TemporaryDirectory(prefix="torchtpu-hlo-") as folder:
         path = os.path.join(folder, "step.mlir")

@@ -326,7 +326,7 @@ def test_a_captured_fsdp2_step_makes_its_unsharded_parameters_inside_the_program
         got.append(out.item())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    read = sum(b.nbytes for b in g._inputs)
+    read = sum(b.nbytes for b in g.input_storages)
     assert read <= 4 * params + x.nbytes + 1024, read / params
 
 

@@ -362,7 +362,7 @@ def test_storages_made_during_the_capture_are_zeros_inside_the_program_not_input
     with torch.tpu.graph(g):
         z, out = step()
     made_before = {id(b) for b in (torchtpu._core.storage.buffer_of(t) for t in (x, w))}
-    holding = [b for b in g._inputs if b.nbytes]
+    holding = [b for b in g.input_storages if b.nbytes]
     assert holding and {id(b) for b in holding} <= made_before, [b.nbytes for b in holding]
     w0 = w.detach().cpu()
     for i in range(3):

@@ -114,6 +114,6 @@ def test_a_captured_step_bakes_its_offsets_and_numbers_in():
         expected = ref_step()
         torch.testing.assert_close(out.cpu(), expected.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(w.detach().cpu(), ref_w.detach(), rtol=1e-5, atol=1e-6)
-    arrays = [b.value() for b in g._inputs]
+    arrays = [b.value() for b in g.input_storages]
     text = g._segment.lower(arrays, g._scalars.for_run()).as_text()
     assert "dynamic_slice" not in text  # the chunk's second half at offset 4: a static slice

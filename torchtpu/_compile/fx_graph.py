@@ -46,10 +46,6 @@ def _host_nodes(gm):
     return names
 
 
-def _buffer(t):
-    return getattr(t.untyped_storage(), "_tpu", None)
-
-
 def arguments_key(args):
     """Everything a capture depends on, for a call's arguments: each tensor's layout as an
     op's executable sees it (op_keys.layout_key: which inputs share storage included), its
@@ -58,7 +54,7 @@ def arguments_key(args):
     buffers = op_keys.Buffers.new()
     for a in args:
         if isinstance(a, torch.Tensor):
-            buf = _buffer(a)
+            buf = storage.buffer_or_none(a)
             if buf is None:
                 key.append(("host", a.dtype, tuple(a.shape)))
                 continue
@@ -125,12 +121,12 @@ class Captured:
             if o is a:
                 return ("arg", i)
         view = (list(o.shape), list(o.stride()), o.storage_offset())
-        buf = _buffer(o)
+        buf = storage.buffer_or_none(o)
         p = recorded.pending_of(buf) if buf is not None else None
         if p is not None:
             return ("new", result_index(p.slot), *view, o.dtype, buf.nbytes)
         for i, a in enumerate(args):
-            if isinstance(a, torch.Tensor) and _buffer(a) is buf:
+            if isinstance(a, torch.Tensor) and storage.buffer_or_none(a) is buf:
                 return ("alias", i, *view)
         if buf is None:
             raise recording.CaptureBroken(f"the graph computes a {o.device} tensor")

@@ -76,7 +76,7 @@ class WholeStep:
                 self._steps[key] = step
             return out
         if step is not None:
-            changed = step.graph._hyper_changed()
+            changed = step.graph.hyperparameters_changed()
             if changed is None:
                 return step.replay(flat)
             warnings.warn(f"torchtpu: compiled step runs graph by graph from now on: {changed}")
@@ -155,25 +155,25 @@ class _StepReplay:
 
     def __init__(self, g, flat, out):
         self.graph = g
-        position = {id(b): k for k, b in enumerate(g._inputs)}
-        written = set(g._written)
+        position = {id(b): k for k, b in enumerate(g.input_storages)}
+        written = set(g.written_inputs)
         self.arguments = []  # (graph input index, position in the flat arguments)
         for i, a in enumerate(flat):
             if isinstance(a, torch.Tensor):
-                k = position.get(id(fx_graph._buffer(a)))
+                k = position.get(id(storage.buffer_or_none(a)))
                 if k in written:
                     raise _Fallback("it writes into one of its tensor arguments")
                 if k is not None:
                     self.arguments.append((k, i))
         self.args = {id(a): i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)}
-        created = {id(ref()) for ref, _ in g._outputs}
+        created = {id(b) for b in g.output_storages}
         outs, self.out_spec = tree_flatten(out)
         if not g.ran_backward and any(isinstance(o, torch.Tensor) and o.requires_grad for o in outs):
             # A forward whose backward runs outside: its results need their autograd graph.
             raise _Fallback("it returns tensors that require grad and runs no backward pass")
         self.outputs = []  # per returned leaf: ("new", tensor) | ("arg", i) | ("same", value)
         for o in outs:
-            if isinstance(o, torch.Tensor) and id(fx_graph._buffer(o)) in created:
+            if isinstance(o, torch.Tensor) and id(storage.buffer_or_none(o)) in created:
                 self.outputs.append(("new", o))
             elif isinstance(o, torch.Tensor) and id(o) in self.args:
                 self.outputs.append(("arg", self.args[id(o)]))
@@ -181,12 +181,12 @@ class _StepReplay:
                 self.outputs.append(("same", o))
 
     def replay(self, flat):
-        inputs = {k: fx_graph._buffer(flat[i]) for k, i in self.arguments}
+        inputs = {k: storage.buffer_or_none(flat[i]) for k, i in self.arguments}
         self.graph.replay(inputs, checked=True)  # WholeStep.__call__ compared the hyperparameters
         outs = []
         for kind, v in self.outputs:
             if kind == "new":  # a new tensor on the array the replay just wrote
-                buf = fx_graph._buffer(v)
+                buf = storage.buffer_or_none(v)
                 t = storage.wrap(buf.peek(), list(v.shape), list(v.stride()), v.dtype,
                                  buf.index, buf.nbytes, v.storage_offset())
                 outs.append(t)

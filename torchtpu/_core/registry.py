@@ -10,6 +10,7 @@ overload, so an op is written once:
     def add(x, y, alpha=1):
         return x + alpha * y
 """
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -224,6 +225,17 @@ def in_float32(fn):
 
 
 _trace_state = threading.local()
+
+
+@contextlib.contextmanager
+def collecting_checks():
+    """The checks (traced ok, exception type, message) that the lowerings traced inside ask
+    for (`check`), collected into the list it gives, one per thread."""
+    collected = _trace_state.checks = []
+    try:
+        yield collected
+    finally:
+        _trace_state.checks = []
 
 
 def check(ok, message, exc_type=IndexError):

@@ -241,6 +241,11 @@ def buffer_of(t):
     return t.untyped_storage()._tpu
 
 
+def buffer_or_none(t):
+    """`t`'s DeviceBuffer, or None for a tensor of another device."""
+    return getattr(t.untyped_storage(), "_tpu", None)
+
+
 def covers_storage(t):
     """Whether t is its storage's whole contents in storage order (offset 0, contiguous, every
     byte): an array of t's values can then become the storage's."""

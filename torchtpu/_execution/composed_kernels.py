@@ -13,7 +13,7 @@ from .._core.dtypes import to_torch_dtype
 from .._lowerings import attention
 from .._lowerings.batch_norm import _stats_dtype
 from .._lowerings.factories import _check_arange
-from .._lowerings.meta import _c10_name, dtype_name
+from .._lowerings.meta import c10_name, dtype_name
 from . import growing_sequences, recording
 from .overlap import _INTERNAL, _internal_overlap
 from .kernels import kernel_for
@@ -493,7 +493,7 @@ def _check_grouped_mm(a, b, offs, bias, out_dtype):
                                f"{dtype_name(t.dtype)}")
     if a.dtype != b.dtype:
         raise RuntimeError(f"expected m1 and m2 to have the same dtype, but got: "
-                           f"{_c10_name(a.dtype)} != {_c10_name(b.dtype)}")
+                           f"{c10_name(a.dtype)} != {c10_name(b.dtype)}")
     if a.dim() not in (2, 3) or b.dim() not in (2, 3):
         raise RuntimeError(f"Multiplicands must be 2D or 3D but got mat_a.dim()={a.dim()} and "
                            f"mat_b.dim()={b.dim()}")

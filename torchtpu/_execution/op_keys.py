@@ -282,8 +282,8 @@ _INT64 = (-(1 << 63), 1 << 63)
 def narrow_complex(v):
     """A Python complex as a TPU program is given it: complex64, weakly typed.  Under JAX's
     64-bit mode it would be complex128, which XLA:TPU has no type for (the compiler aborts)."""
-    from .fused import _as_weak
-    return _as_weak(np.complex64(v))
+    from .segment import as_weak
+    return as_weak(np.complex64(v))
 
 
 def device_scalar(v, device):

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten
 
 from .._core import metrics, registry, storage
 from .._core.dtypes import cast, to_jax_dtype, to_torch_dtype
-from .._lowerings.meta import _c10_name, dtype_name
+from .._lowerings.meta import c10_name, dtype_name
 from . import bounded, debug, executables, modes, overlap, spmd, strided
 from .op_keys import (DEVICE, SCALAR, SCALARLIST, STATIC, T, TLIST, TOPT, Dynamic, is_wrapped_number,
                       live_strides)
@@ -324,17 +324,15 @@ def build(kernel, vals, buffers, scalars, device):
                 args.append([next(scalar_it) for _ in range(consts[i])])
             else:
                 args.append(consts[i])
-        registry._trace_state.checks = []
-        try:
-            result = low.fn(*args)
-        except _TORCH_ERRORS:
-            raise
-        except Exception as e:
-            if isinstance(e, IndexError) and not _raised_by_jax(e):
+        with registry.collecting_checks() as checks:
+            try:
+                result = low.fn(*args)
+            except _TORCH_ERRORS:
                 raise
-            raise _as_torch_error(e, kernel.overload) from e
-        checks = registry._trace_state.checks
-        registry._trace_state.checks = []
+            except Exception as e:
+                if isinstance(e, IndexError) and not _raised_by_jax(e):
+                    raise
+                raise _as_torch_error(e, kernel.overload) from e
         check_info[:] = [(exc, msg) for _, exc, msg in checks]
         flat = [r for r in tree_flatten(result)[0] if r is not None]
         new_arrays = list(arrays)
@@ -409,7 +407,7 @@ def _check_out_dtypes(kernel, vals, pos, kw):
                 message = "Found dtype {got} but expected {expected}"
             raise RuntimeError(message.format(
                 expected=dtype_name(dtype), got=dtype_name(out.dtype), name=name,
-                expected_c=_c10_name(dtype), got_c=_c10_name(out.dtype)))
+                expected_c=c10_name(dtype), got_c=c10_name(out.dtype)))
         if not torch.can_cast(dtype, out.dtype):
             raise kernel.low.out_cast_error(
                 f"result type {dtype_name(dtype)} can't be cast to the desired output type "

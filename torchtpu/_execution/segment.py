@@ -71,7 +71,7 @@ def _unpack_scalars(packed, types):
         if t in columns:
             v = columns[t][position[t]]
             position[t] += 1
-            values.append(v if t is bool else _as_weak(v))
+            values.append(v if t is bool else as_weak(v))
         else:
             values.append(next(other_it))
     return values
@@ -104,7 +104,8 @@ class PackedScalars:
         return self.arrays, other
 
 
-def _as_weak(v):
+def as_weak(v):
+    """`v` as a Python number passed to a jitted function becomes: weakly typed."""
     from jax._src.lax.lax import _convert_element_type
     return _convert_element_type(v, weak_type=True)
 
@@ -506,7 +507,7 @@ def _with_constants(scalars, scalar_types, constants, signature):
         if v is None:
             continue
         scalars[i] = int(v) if i in offsets else (
-            np.asarray(v, np.bool_) if t is bool else _as_weak(np.asarray(v, _packed_type(t))))
+            np.asarray(v, np.bool_) if t is bool else as_weak(np.asarray(v, _packed_type(t))))
     return scalars
 
 

@@ -125,7 +125,7 @@ class TPUGraph:
                 guarded.append((len(slots), k))
             self._outputs.append((p.owner, len(slots)))
             slots.append(p.slot)
-        self._written = [k for _, k in guarded]  # (step.py asks)
+        self._written = [k for _, k in guarded]
         written = set(self._written)
         self._held = tuple(int(k in written) for k in range(len(self._inputs)))
         self._where = list(recorded.where)
@@ -143,7 +143,7 @@ class TPUGraph:
         self._captured = True
         metrics.counters["tpu_graph_captures"] += 1
 
-    def _hyper_changed(self):
+    def hyperparameters_changed(self):
         """Why the optimizers' Python hyperparameters differ from the captured ones, or None."""
         for group, key, value, optimizer in self._hyper:
             if _hyper_value(group[key]) != value:
@@ -154,13 +154,28 @@ class TPUGraph:
                         "capture again.")
         return None
 
+    @property
+    def input_storages(self):
+        """The storages (DeviceBuffers) a replay reads, by input index."""
+        return tuple(self._inputs)
+
+    @property
+    def written_inputs(self):
+        """The input indices whose storages a replay overwrites."""
+        return tuple(self._written)
+
+    @property
+    def output_storages(self):
+        """The storages, still alive, that a replay gives new values."""
+        return tuple(b for b in (ref() for ref, _ in self._outputs) if b is not None)
+
     def replay(self, inputs=None, checked=False):
         """`inputs` (private, for a compiled step): {input index: the storage to read instead};
         `checked`: the caller has just compared the hyperparameters (_hyper_changed)."""
         if not self._captured:
             raise RuntimeError("torch.tpu graphs: replay() of a graph that was not captured")
         fused.flush(FlushReason.GRAPH_REPLAY)
-        changed = None if checked else self._hyper_changed()
+        changed = None if checked else self.hyperparameters_changed()
         if changed is not None:
             raise RuntimeError(f"torch.tpu graph replay: {changed}")
         if inputs:

@@ -11,7 +11,7 @@ import torch
 from .._core.dtypes import check_scalar_fits, to_jax_dtype
 from .._core.runtime import program_platform
 from .._core.registry import check, lowering
-from .meta import _c10_name, dtype_name
+from .meta import c10_name, dtype_name
 
 
 def _check_arange(start, end, step=1, dtype=None, *rest):
@@ -134,13 +134,13 @@ def _check_random_range(x, low, high=None, generator=None):
                if v is not None]
     for value, name in checked:
         if not lo <= value <= hi:
-            raise RuntimeError(f"{name} is out of bounds for {_c10_name(x.dtype)}")
+            raise RuntimeError(f"{name} is out of bounds for {c10_name(x.dtype)}")
     if x.dtype.is_floating_point:  # beyond 2**digits, not every integer is a value of the dtype
         digits = 1 - int(math.log2(torch.finfo(x.dtype).eps))
         for value, name in checked:
             if not -(2 ** digits) <= value <= 2 ** digits:
                 warnings.warn(f"{name} is out of bounds [-(2^{digits}), 2^{digits}]. Due to precision "
-                              f"limitations {_c10_name(x.dtype)} can support discrete uniform "
+                              f"limitations {c10_name(x.dtype)} can support discrete uniform "
                               "distribution only within this range. This warning will become an "
                               "error in version 1.7 release, please fix the code in advance")
 

@@ -105,13 +105,13 @@ def _complex_out(real, imag, *, out):
 def _aminmax_out(x, *, dim=None, keepdim=False, min, max):
     for out in (min, max):
         if out.dtype != x.dtype:  # the CPU kernel writes no other dtype (no cast)
-            raise RuntimeError(f"Expected out tensor to have dtype {_c10_name(x.dtype)}, but got "
-                               f"{_c10_name(out.dtype)} instead")
+            raise RuntimeError(f"Expected out tensor to have dtype {c10_name(x.dtype)}, but got "
+                               f"{c10_name(out.dtype)} instead")
     result, _ = torch.aminmax(x, dim=dim, keepdim=keepdim)
     return min.resize_(result.shape), max.resize_(result.shape)
 
 
-def _c10_name(dtype):
+def c10_name(dtype):
     """The C++ type name c10 messages use for a dtype."""
     return {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half",
             torch.bfloat16: "c10::BFloat16", torch.int64: "long int", torch.int32: "int",

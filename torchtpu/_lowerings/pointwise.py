@@ -8,7 +8,7 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dty
 
 from .._core.dtypes import check_scalar_fits
 from .._core.registry import Promote, check, lowering
-from .meta import _c10_name
+from .meta import c10_name
 
 
 def _not_complex(name):
@@ -451,7 +451,7 @@ def zero(x):
 def _check_masked_fill(x, mask, value):
     if mask.dtype != torch.bool:
         raise RuntimeError(f"masked_fill_ only supports boolean masks, but got mask with dtype "
-                           f"{_c10_name(mask.dtype)}")
+                           f"{c10_name(mask.dtype)}")
     if not isinstance(value, torch.Tensor):
         check_scalar_fits(value, x.dtype)
 
