@@ -59,7 +59,7 @@ class _Op:
 
     def __init__(self, kernel, compiled, executable, inputs, scalars, outs, writes, where):
         self.kernel = kernel
-        self.compiled = compiled      # the op's op_programs.Compiled
+        self.compiled = compiled      # the op's op_programs.OpProgram
         self.executable = executable  # a jax Compiled, or a Future of one
         self.inputs = inputs          # per buffer: an array, or a Pending of an op before it
         self.scalars = scalars

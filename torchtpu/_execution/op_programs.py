@@ -5,7 +5,7 @@ On a miss of the op's key (op_keys), PyTorch's meta kernel gives the outputs' dt
 and strides and PyTorch's own errors for bad input; `run` reads each tensor as its view of its
 storage's array, promotes, calls the lowering, casts, and writes in-place results back into
 their storages' arrays (an out= resized by PyTorch's rules first); its index checks become
-booleans the executable returns.  `Compiled` holds it all, cached in the kernel under the key.
+booleans the executable returns.  `OpProgram` holds it all, cached in the kernel under the key.
 """
 import math
 import os
@@ -34,7 +34,7 @@ class OutResized(Exception):
     as they were): the op runs again with their new layouts in its key."""
 
 
-class Compiled:
+class OpProgram:
     """An op's program for one key: `run` (the JAX function), `fn` (its executable), the
     layouts of its new outputs (`out_specs`, `wrap_specs`), the storages it writes, where each
     return comes from, its index checks' messages, how many random numbers it draws, and for a
@@ -47,8 +47,8 @@ class Compiled:
         """The same executable giving its outputs other layouts (`variants`).  `program`, the
         compiled object that stands for the program in fused traces, stays the same: a
         segment is the same program whatever layouts its ops' outputs were given."""
-        variant = Compiled()
-        for name in Compiled.__slots__:
+        variant = OpProgram()
+        for name in OpProgram.__slots__:
             setattr(variant, name, getattr(self, name))
         variant.out_specs = out_specs
         variant.wrap_specs = wrap_specs(out_specs)
@@ -211,9 +211,20 @@ def _inplace_meta(kernel, vals, pos, kw):
 
 
 def build(kernel, vals, buffers, scalars, device):
+    """The OpProgram of `kernel` on `vals` (its key not yet set): the outputs PyTorch's meta
+    kernel describes, then the JAX function computing them."""
     overlap.check(kernel, vals, resized=False)
-    compiled = Compiled()
+    compiled = OpProgram()
     compiled.program = compiled
+    pos, kw = describe_outputs(compiled, kernel, vals, device)
+    make_run(compiled, kernel, vals, buffers, scalars, pos, kw)
+    return compiled
+
+
+def describe_outputs(compiled, kernel, vals, device):
+    """Fill in what PyTorch's meta kernel says of the op's results (after its checks and out=
+    resizes): where each return comes from, the new outputs' layouts, how many random numbers
+    it draws, a collective's mesh.  Returns the meta arguments (pos, kw)."""
     pos, kw = _meta_args(kernel, vals)
     if kernel.low.eager:
         meta_out = None
@@ -259,7 +270,14 @@ def build(kernel, vals, buffers, scalars, device):
     compiled.list_len = len(out_specs) if returns == [None] and _returns_list(kernel) else 0
     if compiled.list_len:
         compiled.returns = ["list"]
+    return pos, kw
 
+
+def make_run(compiled, kernel, vals, buffers, scalars, pos, kw):
+    """Fill in the op's JAX function (`run`, also `fn` until `executable` jits it): the
+    lowering on the arguments' storages, writing its in-place and out= targets, with its index
+    checks; and what a fused segment needs of it (the storages it writes, its view offsets)."""
+    out_specs = compiled.out_specs
     # Tensor slots as the lowering sees them, in schema order.
     slots, write_targets, n_offsets = _slots(kernel, vals, buffers)
     compiled.n_offsets = n_offsets  # `run`'s last arguments (a graph bakes them in: fused.py)

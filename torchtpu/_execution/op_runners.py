@@ -18,7 +18,7 @@ collectives (`mesh=`), which run over their process group's mesh as a program of
 or inside a fused segment that then runs on every rank.
 
 A runner is called as runner(kernel, compiled, vals, call) with the op's kernel, its program
-(op_programs.Compiled), its bound arguments and its op_keys.Call (the random ops' (seed, offset)
+(op_programs.OpProgram), its bound arguments and its op_keys.Call (the random ops' (seed, offset)
 already drawn at the front of `call.scalars`).  Outside a fused trace Python numbers are passed
 as device scalars (op_keys.device_scalars); a trace packs them itself.
 """

@@ -32,7 +32,7 @@ from .._core import registry, storage
 from .._core.dtypes import to_jax_dtype
 from . import async_compile, debug, executables, modes, recording, sync
 from .kernels import kernel_for
-from .op_programs import Compiled
+from .op_programs import OpProgram
 
 aten = torch.ops.aten
 
@@ -189,7 +189,7 @@ def _one_value(t):
 def _index_check(key):
     """What debug.failed_check reads of an op's executable (its key and its checks' errors),
     for the bounds check of _index_put_program."""
-    compiled = Compiled()
+    compiled = OpProgram()
     compiled.key = key
     compiled.check_info = [(IndexError, "index out of range in self")]
     return compiled
