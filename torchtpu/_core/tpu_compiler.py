@@ -145,7 +145,7 @@ def target_args(args, devices):
             weak = x.aval.weak_type if isinstance(x, jax.Array) else x.weak_type
             return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=weak,
                                         sharding=_target_sharding(getattr(x, "sharding", None), devices))
-        if hasattr(x, "shape") and hasattr(x, "dtype"):  # packed numbers (fused.pack_scalars)
+        if hasattr(x, "shape") and hasattr(x, "dtype"):  # packed numbers (segment.pack_scalars)
             dtype = jax.numpy.complex64 if x.dtype == _COMPLEX128 else x.dtype
             return jax.ShapeDtypeStruct(x.shape, dtype, sharding=host)
         return x

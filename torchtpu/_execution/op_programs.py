@@ -280,7 +280,7 @@ def make_run(compiled, kernel, vals, buffers, scalars, pos, kw):
     out_specs = compiled.out_specs
     # Tensor slots as the lowering sees them, in schema order.
     slots, write_targets, n_offsets = _slots(kernel, vals, buffers)
-    compiled.n_offsets = n_offsets  # `run`'s last arguments (a graph bakes them in: fused.py)
+    compiled.n_offsets = n_offsets  # `run`'s last arguments (a graph bakes them in: segment.baked_numbers)
     compiled.writes = sorted({j for j, *_ in write_targets})
     # Whether a written tensor and another argument overlap depends on their offsets, which
     # the key leaves out: a call whose written storage another argument shares checks again.
