@@ -525,7 +525,7 @@ def _with_room_to_spare(t):
     """t with 3 elements past its own in its array, as a random fill or an append leaves them
     (ops then take padded.py's path): NaN or zero, which a wrong read or check would show."""
     import jax.numpy as jnp
-    from ._core import storage
+    from .._core import storage
     array = storage.buffer_of(t).value()
     fill = jnp.nan if jnp.issubdtype(array.dtype, jnp.inexact) else 0
     spare = jnp.full((3,), fill, array.dtype)
