@@ -384,7 +384,23 @@ CASES = {
     "uniform_range_past_float_max": lambda d: torch.empty(3, device=d).uniform_(-3.4e38, 3.4e38),
     "uniform_float64_past_float32_range": lambda d: torch.empty(
         2000, dtype=torch.float64, device=d).uniform_(-1e300, 1e300).abs().max() > 1e299,
+    # logcumsumexp(out=): _logcumsumexp.out had no meta kernel; out resized with ATen's warning,
+    # the dtype refused, the dim checked.
+    "logcumsumexp_out": lambda d: _logcumsumexp_out(d, torch.zeros(5, 2, device=d)),
+    "logcumsumexp_out_resized": lambda d: _logcumsumexp_out(d, torch.zeros(3, device=d), 0),
+    "logcumsumexp_out_transposed_input": lambda d: _logcumsumexp_out(
+        d, torch.zeros(0, device=d), 0, transposed=True),
+    "logcumsumexp_out_dtype": lambda d: torch.logcumsumexp(
+        torch.ones(5, 2, dtype=torch.float64, device=d), -1, out=torch.zeros(5, 2, device=d)),
+    "logcumsumexp_out_bad_dim": lambda d: _logcumsumexp_out(d, torch.zeros(5, 2, device=d), 2),
 }
+
+
+def _logcumsumexp_out(d, out, dim=-1, transposed=False):
+    x = torch.randn(5, 2, generator=torch.Generator().manual_seed(0)).to(d)
+    torch.logcumsumexp(x.t() if transposed else x, dim, out=out)
+    return out
+
 
 
 def _nll_uint8(d):

@@ -20,6 +20,17 @@ def _logcumsumexp(x, dim):
     return torch.empty_like(x)
 
 
+def _logcumsumexp_out(x, dim, *, out):
+    # The CPU kernel (reached from logcumsumexp(out=), which checks the dtypes) resizes out as
+    # ATen's resize_output does, warning in its words when out had elements.
+    from .._execution.composed_kernels import _warn_resized
+    _logcumsumexp(x, dim)
+    if out.shape != x.shape:
+        _warn_resized(out, tuple(x.shape))
+        out.resize_(x.shape)
+    return out
+
+
 def _geqrf(a):
     m, n = a.shape[-2:]
     return (torch.empty_like(a).mT.contiguous().mT,  # LAPACK's column-major result
@@ -27,6 +38,7 @@ def _geqrf(a):
 
 
 _impl("_logcumsumexp", _logcumsumexp)
+_impl("_logcumsumexp.out", _logcumsumexp_out)
 _impl("geqrf", _geqrf)
 
 
