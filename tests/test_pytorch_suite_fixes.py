@@ -393,7 +393,31 @@ CASES = {
     "logcumsumexp_out_dtype": lambda d: torch.logcumsumexp(
         torch.ones(5, 2, dtype=torch.float64, device=d), -1, out=torch.zeros(5, 2, device=d)),
     "logcumsumexp_out_bad_dim": lambda d: _logcumsumexp_out(d, torch.zeros(5, 2, device=d), 2),
+    # A random fill's parameter checked on every call, not only the first of its shape and dtype
+    # (whose shape inference saw it), then its dtype.
+    "cauchy_zero_sigma_after_valid": lambda d: _fill_after_valid(d, lambda t, v: t.cauchy_(0.0, v), 0.5, 0.0),
+    "exponential_negative_lambda_after_valid": lambda d: _fill_after_valid(
+        d, lambda t, v: t.exponential_(v), 0.5, -0.5),
+    "exponential_nan_lambda": lambda d: torch.empty(1, device=d).exponential_(float("nan")),
+    "exponential_inf_lambda": lambda d: torch.empty(3, device=d).exponential_(float("inf")),
+    "cauchy_inf_median": lambda d: torch.empty(3, device=d).cauchy_(float("inf"), 0.5),
+    "geometric_p_one_after_valid": lambda d: _fill_after_valid(d, lambda t, v: t.geometric_(v), 0.5, 1.0),
+    "log_normal_negative_std_after_valid": lambda d: _fill_after_valid(
+        d, lambda t, v: t.log_normal_(0.0, v), 0.5, -1.0),
+    "exponential_int": lambda d: torch.empty(3, dtype=torch.int64, device=d).exponential_(),
+    "exponential_complex_negative_lambda": lambda d: torch.empty(
+        3, dtype=torch.complex64, device=d).exponential_(-1.0),
+    "cauchy_uint8": lambda d: torch.empty(3, dtype=torch.uint8, device=d).cauchy_(),
+    "log_normal_int": lambda d: torch.empty(3, dtype=torch.int32, device=d).log_normal_(),
+    "geometric_bool": lambda d: torch.empty(3, dtype=torch.bool, device=d).geometric_(0.5),
 }
+
+
+def _fill_after_valid(d, fill, valid, invalid):
+    t = torch.empty(4, device=d)
+    fill(t, valid)
+    return fill(t, invalid)
+
 
 
 def _logcumsumexp_out(d, out, dim=-1, transposed=False):
