@@ -410,7 +410,17 @@ CASES = {
     "cauchy_uint8": lambda d: torch.empty(3, dtype=torch.uint8, device=d).cauchy_(),
     "log_normal_int": lambda d: torch.empty(3, dtype=torch.int32, device=d).log_normal_(),
     "geometric_bool": lambda d: torch.empty(3, dtype=torch.bool, device=d).geometric_(0.5),
+    # Shifts: an in-place shift's overlap and cast errors before the dtype's refusal, which
+    # names the CPU kernel.
+    "ilshift_float_partial_overlap": lambda d: (lambda x: x[:-1].__ilshift__(x[1:]))(torch.rand(3, device=d)),
+    "irshift_float_partial_overlap": lambda d: (lambda x: x[:-1].__irshift__(x[1:]))(torch.rand(3, device=d)),
+    "ilshift_float_expanded": lambda d: torch.rand(1, device=d).expand(3).__ilshift__(1),
+    "ilshift_long_by_float": lambda d: torch.ones(3, dtype=torch.long, device=d).__ilshift__(1.5),
+    "ilshift_float": lambda d: torch.rand(3, device=d).__ilshift__(2),
+    "rshift_bool": lambda d: torch.ones(3, dtype=torch.bool, device=d) >> torch.ones(3, dtype=torch.bool, device=d),
+    "bitwise_left_shift_float": lambda d: torch.bitwise_left_shift(torch.rand(3, device=d), 1),
 }
+
 
 
 def _fill_after_valid(d, fill, valid, invalid):
