@@ -419,7 +419,34 @@ CASES = {
     "ilshift_float": lambda d: torch.rand(3, device=d).__ilshift__(2),
     "rshift_bool": lambda d: torch.ones(3, dtype=torch.bool, device=d) >> torch.ones(3, dtype=torch.bool, device=d),
     "bitwise_left_shift_float": lambda d: torch.bitwise_left_shift(torch.rand(3, device=d), 1),
+    # abs(out=) of a complex input: into a complex out of its dtype (imaginary parts of zero, laid
+    # out as the input when resized), into a real out it casts to; other dtypes in ATen's words.
+    "abs_complex_into_complex_out": lambda d: torch.abs(
+        _complex_2x2(d), out=torch.empty(2, 2, dtype=torch.complex64, device=d)),
+    "abs_complex_into_empty_complex_out": lambda d: torch.abs(
+        _complex_2x2(d).t(), out=torch.empty(0, dtype=torch.complex64, device=d)),
+    "abs_complex_into_resized_complex_out": lambda d: torch.abs(
+        _complex_2x2(d), out=torch.empty(3, dtype=torch.complex64, device=d)),
+    "abs_complex_into_float64_out": lambda d: torch.abs(
+        _complex_2x2(d), out=torch.empty(1, dtype=torch.float64, device=d)),
+    "abs_complex_into_complex128_out": lambda d: torch.abs(
+        _complex_2x2(d), out=torch.empty(2, 2, dtype=torch.complex128, device=d)),
+    "abs_complex_into_int_out": lambda d: torch.abs(
+        _complex_2x2(d), out=torch.empty(2, 2, dtype=torch.int64, device=d)),
+    "abs_complex_into_expanded_out": lambda d: torch.abs(
+        _complex_2x2(d), out=torch.empty(1, device=d).expand(2, 2)),
+    "abs_float_into_float64_out": lambda d: torch.abs(
+        torch.ones(2, device=d), out=torch.empty(2, dtype=torch.float64, device=d)),
+    "abs_inplace_complex": lambda d: _complex_2x2(d).abs_(),
+    "abs_inplace_float": lambda d: torch.tensor([-1.5, 2.0], device=d).abs_(),
+    "angle_complex_into_complex_out": lambda d: torch.angle(
+        _complex_2x2(d), out=torch.empty(2, 2, dtype=torch.complex64, device=d)),
 }
+
+
+def _complex_2x2(d):
+    return torch.tensor([[1 + 2j, -3 - 1j], [0j, 2j]], device=d)
+
 
 
 

@@ -215,6 +215,37 @@ def _warn_resized(out, shape):
                       "elements with t.resize_(0).", stacklevel=3)
 
 
+def _abs_out(x, *, out):
+    """abs(out=) as ATen's unary_op_impl_with_complex_to_float_out: a complex input's magnitudes
+    go to a real out its real dtype can be cast to, or to a complex out of its own dtype (an
+    imaginary part of zero); otherwise out has the input's dtype (PyTorch's meta kernel wants
+    the real dtype, and says so in other words)."""
+    if x.is_complex() and not out.is_complex():
+        real = x.real.dtype
+        if not torch.can_cast(real, out.dtype):
+            raise RuntimeError(f"result type {dtype_name(real)} can't be cast to the desired "
+                               f"output type {dtype_name(out.dtype)}")
+    elif out.dtype != x.dtype:
+        raise RuntimeError(f"Found dtype {dtype_name(out.dtype)} but expected {dtype_name(x.dtype)}")
+    elif not x.is_complex():
+        return kernel_for(aten.abs.out)(x, out=out)
+    if _internal_overlap(out):
+        raise RuntimeError(_INTERNAL)
+    result = torch.abs(x)
+    if out.shape != result.shape:
+        _warn_resized(out, tuple(result.shape))
+        out.resize_(result.shape)
+        if out.is_complex():  # ATen's TensorIterator lays a resized out out as the input
+            out.as_strided_(result.shape, result.stride())
+    return out.copy_(result)
+
+
+def _abs_(x):
+    if x.is_complex():  # ATen's abs_ (the derived in-place variant would cast to the real dtype)
+        raise RuntimeError("In-place abs is not supported for complex tensors.")
+    return kernel_for(aten.abs_.default)(x)
+
+
 # masked_select(out=): the functional op's values decide the shape (PyTorch has no meta kernel of
 # the out variant); out is resized as ATen's resize_output does.
 def _masked_select_out(x, mask, *, out):
@@ -563,6 +594,8 @@ def kernels():
             aten.logspace.out: _space_out(torch.logspace),
             aten.nonzero.out: _nonzero_out,
             aten.masked_select.out: _masked_select_out,
+            aten.abs.out: _abs_out,
+            aten.abs_.default: _abs_,
             aten.is_set_to.default: _is_set_to,
             aten.range.out: _range_out,
             aten._transformer_encoder_layer_fwd.default: _transformer_encoder_layer_fwd,
