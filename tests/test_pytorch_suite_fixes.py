@@ -160,6 +160,15 @@ def _igamma_grid(d):
     return a.to(d), x.to(d)
 
 
+def _pool_grad(pool, shape, *args):
+    def call(d):
+        x = torch.ones(shape, device=d, requires_grad=True)
+        y = pool(x, *args)
+        y.sum().backward()
+        return y, x.grad
+    return call
+
+
 CASES = {
     # An in-place elementwise op writing overlapping memory: ATen's TensorIterator refuses it.
     "elu_overlap": lambda d: F.elu_(_expanded(d)),
@@ -441,7 +450,53 @@ CASES = {
     "abs_inplace_float": lambda d: torch.tensor([-1.5, 2.0], device=d).abs_(),
     "angle_complex_into_complex_out": lambda d: torch.angle(
         _complex_2x2(d), out=torch.empty(2, 2, dtype=torch.complex64, device=d)),
+    # Pooling of empty batches and to empty outputs: empty results and gradients, the CPU's
+    # checks in its words (PyTorch's meta kernels word some apart).
+    "max_pool1d_empty_batch": _pool_grad(F.max_pool1d, (0, 4, 10), 3, 2),
+    "max_pool2d_empty_batch": _pool_grad(F.max_pool2d, (0, 4, 10, 8), 3, 2),
+    "max_pool3d_empty_batch": _pool_grad(F.max_pool3d, (0, 4, 5, 4, 3), 3, 2),
+    "adaptive_max_pool1d_empty_batch": _pool_grad(F.adaptive_max_pool1d, (0, 4, 10), 3),
+    "adaptive_max_pool2d_empty_batch": _pool_grad(F.adaptive_max_pool2d, (0, 4, 10, 8), 3),
+    "adaptive_max_pool3d_empty_batch": _pool_grad(F.adaptive_max_pool3d, (0, 4, 5, 4, 3), 3),
+    "adaptive_max_pool2d_empty_channels": _pool_grad(F.adaptive_max_pool2d, (1, 0, 10, 8), 3),
+    "adaptive_avg_pool1d_empty_batch": _pool_grad(F.adaptive_avg_pool1d, (0, 10), 5),
+    "adaptive_avg_pool2d_empty_batch": _pool_grad(F.adaptive_avg_pool2d, (0, 10, 10), 5),
+    "adaptive_avg_pool2d_empty_spatial": _pool_grad(F.adaptive_avg_pool2d, (2, 3, 0, 10), 5),
+    "adaptive_avg_pool2d_output_size_0_backward": _pool_grad(F.adaptive_avg_pool2d, (1, 4, 10, 9), 0),
+    "adaptive_avg_pool3d_output_size_0_backward": _pool_grad(F.adaptive_avg_pool3d, (1, 4, 10, 9), 0),
+    "adaptive_max_pool2d_output_size_0_backward": _pool_grad(F.adaptive_max_pool2d, (1, 4, 10, 9), 0),
+    "adaptive_max_pool1d_output_size_0_backward": _pool_grad(F.adaptive_max_pool1d, (1, 4), 0),
+    "max_unpool2d_empty_batch": lambda d: _unpool_empty_batch(d, F.max_pool2d, F.max_unpool2d, (0, 3, 4, 4)),
+    "max_unpool3d_empty_batch": lambda d: _unpool_empty_batch(d, F.max_pool3d, F.max_unpool3d, (0, 3, 4, 4, 4)),
+    "fractional_max_pool2d_output_size_0": lambda d: torch.ops.aten.fractional_max_pool2d(
+        torch.rand(2, 3, 8, 8, device=d), (2, 2), (0, 1), torch.rand(2, 3, 2, device=d)),
+    "fractional_max_pool3d_output_size_0_unbatched": lambda d: torch.ops.aten.fractional_max_pool3d(
+        torch.rand(3, 8, 8, 8, device=d), (3, 2, 2), (0, 1, 1), torch.rand(1, 3, 3, device=d)),
+    "fractional_max_pool3d_too_few_samples": lambda d: torch.ops.aten.fractional_max_pool3d(
+        torch.rand(1, 3, 8, 8, 8, device=d), (3, 2, 2), (1, 1, 1), torch.rand(0, 3, 3, device=d)),
+    "fractional_max_pool3d_samples_of_2d": lambda d: torch.ops.aten.fractional_max_pool3d(
+        torch.rand(1, 3, 8, 8, 8, device=d), (3, 2, 2), (1, 1, 1), torch.rand(1, 3, 2, device=d)),
+    "fractional_max_pool2d_samples_dtype": lambda d: torch.ops.aten.fractional_max_pool2d(
+        torch.rand(1, 3, 8, 8, device=d), (2, 2), (2, 2), torch.rand(1, 3, 2, dtype=torch.float64, device=d)),
+    "fractional_max_pool2d_kernel_size": lambda d: torch.ops.aten.fractional_max_pool2d(
+        torch.rand(1, 3, 8, 8, device=d), (2,), (2, 2), torch.rand(1, 3, 2, device=d)),
+    "fractional_max_pool2d_pool_too_large": lambda d: torch.ops.aten.fractional_max_pool2d(
+        torch.rand(1, 3, 8, 8, device=d), (2, 2), (3, 8), torch.rand(1, 3, 2, device=d)),
+    "fractional_max_pool3d_empty_channels": lambda d: torch.ops.aten.fractional_max_pool3d(
+        torch.rand(1, 0, 8, 8, 8, device=d), (2, 2, 2), (2, 2, 2), torch.rand(1, 0, 3, device=d)),
+    "fractional_max_pool2d_empty_batch_backward": _pool_grad(
+        lambda x: F.fractional_max_pool2d(x, 2, output_size=(3, 3), _random_samples=torch.rand(
+            0, 4, 2, device=x.device)), (0, 4, 8, 8)),
 }
+
+
+def _unpool_empty_batch(d, pool, unpool, shape):
+    x = torch.randn(shape, device=d, requires_grad=True)
+    y, indices = pool(x, 2, stride=2, return_indices=True)
+    u = unpool(y, indices, 2, stride=2)
+    u.sum().backward()
+    return u, x.grad
+
 
 
 def _complex_2x2(d):
