@@ -484,10 +484,35 @@ CASES = {
         torch.rand(1, 3, 8, 8, device=d), (2, 2), (3, 8), torch.rand(1, 3, 2, device=d)),
     "fractional_max_pool3d_empty_channels": lambda d: torch.ops.aten.fractional_max_pool3d(
         torch.rand(1, 0, 8, 8, 8, device=d), (2, 2, 2), (2, 2, 2), torch.rand(1, 0, 3, device=d)),
+    # embedding_bag: all bags empty in max mode (no index to gather), its dims checked first.
+    "embedding_bag_max_all_empty": lambda d: _embedding_bag_grad(d, "max", [], [0, 0, 0]),
+    "embedding_bag_max_some_empty": lambda d: _embedding_bag_grad(d, "max", [1, 3, 2], [0, 0, 2]),
+    "embedding_bag_mean_all_empty": lambda d: _embedding_bag_grad(d, "mean", [], [0, 0]),
+    "_embedding_bag_max_empty_bags": lambda d: torch._embedding_bag(
+        torch.arange(10.0, device=d).reshape(5, 2), torch.tensor([1, 3, 2], device=d),
+        torch.tensor([0, 1, 1], device=d), False, 2)[::3],
+    "embedding_bag_5d_input": lambda d: torch.embedding_bag(
+        torch.zeros(2, 6, device=d), torch.ones(2, 0, 0, 6, 6, dtype=torch.long, device=d),
+        torch.zeros(2, 0, 0, 6, 6, dtype=torch.long, device=d)),
+    "embedding_bag_2d_offsets": lambda d: torch._embedding_bag_forward_only(
+        torch.zeros(2, 2, device=d), torch.ones(2, dtype=torch.long, device=d),
+        torch.zeros(2, 3, dtype=torch.long, device=d)),
+    "embedding_bag_3d_weight": lambda d: torch._embedding_bag(
+        torch.zeros(2, 2, 2, device=d), torch.ones(2, dtype=torch.long, device=d),
+        torch.zeros(2, dtype=torch.long, device=d)),
     "fractional_max_pool2d_empty_batch_backward": _pool_grad(
         lambda x: F.fractional_max_pool2d(x, 2, output_size=(3, 3), _random_samples=torch.rand(
             0, 4, 2, device=x.device)), (0, 4, 8, 8)),
 }
+
+
+def _embedding_bag_grad(d, mode, indices, offsets):
+    bag = torch.nn.EmbeddingBag(5, 2, mode=mode).to(d)
+    with torch.no_grad():
+        bag.weight.copy_(torch.arange(10.0, device=d).reshape(5, 2))
+    out = bag(torch.tensor(indices, dtype=torch.long, device=d), torch.tensor(offsets, device=d))
+    (out * torch.arange(out.numel(), device=d).reshape(out.shape)).sum().backward()
+    return out, bag.weight.grad
 
 
 def _unpool_empty_batch(d, pool, unpool, shape):
