@@ -484,6 +484,31 @@ CASES = {
         torch.rand(1, 3, 8, 8, device=d), (2, 2), (3, 8), torch.rand(1, 3, 2, device=d)),
     "fractional_max_pool3d_empty_channels": lambda d: torch.ops.aten.fractional_max_pool3d(
         torch.rand(1, 0, 8, 8, 8, device=d), (2, 2, 2), (2, 2, 2), torch.rand(1, 0, 3, device=d)),
+    # searchsorted/bucketize: side and sorter checked, out's dtype refused rather than cast.
+    "searchsorted_out_float": lambda d: torch.searchsorted(
+        torch.arange(5, device=d), torch.arange(5, device=d), out=torch.empty(5, device=d)),
+    "searchsorted_out_int64_with_out_int32": lambda d: torch.searchsorted(
+        torch.arange(5, device=d), torch.arange(5, device=d), out_int32=True,
+        out=torch.empty(5, dtype=torch.long, device=d)),
+    "searchsorted_scalar_out_resized": lambda d: torch.searchsorted(
+        torch.arange(5, device=d), 3, out=torch.empty(3, dtype=torch.long, device=d)),
+    "bucketize_out_int32": lambda d: torch.bucketize(
+        torch.arange(5, device=d), torch.arange(5, device=d), out_int32=True, right=True,
+        out=torch.empty(0, dtype=torch.int32, device=d)),
+    "bucketize_out_int32_flag_off": lambda d: torch.bucketize(
+        torch.arange(5, device=d), torch.arange(5, device=d), out=torch.empty(0, dtype=torch.int32, device=d)),
+    "searchsorted_bad_side": lambda d: torch.searchsorted(
+        torch.arange(5, device=d), torch.arange(5, device=d), side="bad"),
+    "searchsorted_side_opposite_right": lambda d: torch.searchsorted(
+        torch.arange(5, device=d), torch.arange(5, device=d), side="left", right=True),
+    "searchsorted_sorter_size": lambda d: torch.searchsorted(
+        torch.arange(5.0, device=d), 2.5, sorter=torch.arange(4, device=d)),
+    "searchsorted_sorter_dtype": lambda d: torch.searchsorted(
+        torch.arange(5.0, device=d), 2.5, sorter=torch.arange(5.0, device=d)),
+    "searchsorted_sorter_out_of_range": lambda d: torch.searchsorted(
+        torch.arange(3.0, device=d), 2.5, sorter=torch.tensor([0, 1, 3], device=d)),
+    "searchsorted_sorter_negative": lambda d: torch.searchsorted(
+        torch.arange(3.0, device=d), torch.ones(2, device=d), sorter=torch.tensor([-1, 1, 2], device=d)),
     # embedding_bag: all bags empty in max mode (no index to gather), its dims checked first.
     "embedding_bag_max_all_empty": lambda d: _embedding_bag_grad(d, "max", [], [0, 0, 0]),
     "embedding_bag_max_some_empty": lambda d: _embedding_bag_grad(d, "max", [1, 3, 2], [0, 0, 2]),

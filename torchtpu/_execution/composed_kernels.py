@@ -13,6 +13,7 @@ from .._core.dtypes import to_torch_dtype
 from .._lowerings import attention
 from .._lowerings.batch_norm import _stats_dtype
 from .._lowerings.factories import _check_arange
+from .._lowerings.indexing import check_searchsorted_out
 from .._lowerings.meta import _c10_name, dtype_name
 from . import fused, growing_sequences
 from .overlap import _INTERNAL, _internal_overlap
@@ -238,6 +239,19 @@ def _abs_out(x, *, out):
         if out.is_complex():  # ATen's TensorIterator lays a resized out out as the input
             out.as_strided_(result.shape, result.stride())
     return out.copy_(result)
+
+
+def _bucketing_out(functional):
+    """searchsorted/bucketize(out=): the functional op's checks, then ATen's of out's dtype
+    (the derived out variant would cast), out resized as resize_output does."""
+    def run(a, b, *, out_int32=False, out, **kwargs):
+        result = functional(a, b, out_int32=out_int32, **kwargs)
+        check_searchsorted_out(out, out_int32)
+        if out.shape != result.shape:
+            _warn_resized(out, tuple(result.shape))
+            out.resize_(result.shape)
+        return out.copy_(result)
+    return run
 
 
 def _abs_(x):
@@ -595,6 +609,10 @@ def kernels():
             aten.nonzero.out: _nonzero_out,
             aten.masked_select.out: _masked_select_out,
             aten.abs.out: _abs_out,
+            aten.searchsorted.Tensor_out: _bucketing_out(torch.searchsorted),
+            aten.searchsorted.Scalar_out: _bucketing_out(torch.searchsorted),
+            aten.bucketize.Tensor_out: _bucketing_out(torch.bucketize),
+            aten.bucketize.Scalar_out: _bucketing_out(torch.bucketize),
             aten.abs_.default: _abs_,
             aten.is_set_to.default: _is_set_to,
             aten.range.out: _range_out,
