@@ -291,6 +291,9 @@ CASES = {
     "frexp_out_exponent_dtype": lambda d: torch.frexp(torch.ones(3, device=d), out=(
         torch.empty(3, device=d), torch.empty(3, dtype=torch.int64, device=d))),
     "mean_repeated_dim": lambda d: torch.ones(3, 4, device=d).mean((0, -2)),
+    "norm_repeated_dim": lambda d: torch.norm(torch.ones(3, 4, device=d), dim=(0, -2)),
+    "vector_norm_repeated_dim": lambda d: torch.linalg.vector_norm(torch.ones(3, 4, device=d), dim=(1, 1)),
+    "count_nonzero_repeated_dim": lambda d: torch.count_nonzero(torch.ones(3, 4, device=d), dim=(0, 0)),
     "kthvalue_empty_dim": lambda d: torch.kthvalue(torch.ones(2, 0, device=d), 1, 1),
     # all/any store into a bool or uint8 out only.
     "all_out_float": lambda d: torch.all(torch.ones(3, device=d), out=torch.empty(0, device=d)),

@@ -181,8 +181,10 @@ def _check_repeated_dims(x, dim=None, *rest):
 
 for _name in ("sum.dim_IntList", "mean.dim", "amax.default", "amin.default", "nansum.default",
               "var.correction", "std.correction", "var_mean.correction", "std_mean.correction",
-              "logsumexp.default", "any.dims", "all.dims"):
+              "logsumexp.default", "any.dims", "all.dims", "count_nonzero.dim_IntList"):
     _also("aten::" + _name, _check_repeated_dims)
+for _name in ("linalg_vector_norm.default", "norm.ScalarOpt_dim", "norm.ScalarOpt_dim_dtype"):
+    _also("aten::" + _name, lambda x, ord=2, dim=None, *rest: _check_repeated_dims(x, dim))
 
 
 def _check_kthvalue(x, k, dim=-1, keepdim=False):
