@@ -512,6 +512,21 @@ CASES = {
         torch.arange(3.0, device=d), 2.5, sorter=torch.tensor([0, 1, 3], device=d)),
     "searchsorted_sorter_negative": lambda d: torch.searchsorted(
         torch.arange(3.0, device=d), torch.ones(2, device=d), sorter=torch.tensor([-1, 1, 2], device=d)),
+    # multilabel_margin_loss: ATen's shape rules (a vector's target of as many elements, a 0-dim
+    # unreduced loss) and its labels up to the first -1 only.
+    "multilabel_margin_loss_scalar_input_none": lambda d: _margin_grad(
+        d, F.multilabel_margin_loss, torch.tensor(0.3), torch.tensor([0]), "none"),
+    "multilabel_margin_loss_vector_scalar_target": lambda d: _margin_grad(
+        d, F.multilabel_margin_loss, torch.tensor([0.2]), torch.tensor(0), "mean"),
+    "multilabel_margin_loss_vector_none": lambda d: _margin_grad(
+        d, F.multilabel_margin_loss, torch.tensor([0.1, 0.9, -0.2]), torch.tensor([2, -1, 0]), "none"),
+    "multilabel_margin_loss_rows_after_end": lambda d: _margin_grad(
+        d, F.multilabel_margin_loss, torch.tensor([[0.1, 0.9, -0.2], [1.0, 2.0, 3.0]]),
+        torch.tensor([[2, -1, 0], [1, 0, -1]]), "sum"),
+    "multilabel_margin_loss_matrix_vector_target": lambda d: _margin_grad(
+        d, F.multilabel_margin_loss, torch.tensor([[0.4]]), torch.tensor([0]), "none"),
+    "multilabel_margin_loss_empty_vector": lambda d: _margin_grad(
+        d, F.multilabel_margin_loss, torch.empty(0), torch.empty(0, dtype=torch.long), "none"),
     # embedding_bag: all bags empty in max mode (no index to gather), its dims checked first.
     "embedding_bag_max_all_empty": lambda d: _embedding_bag_grad(d, "max", [], [0, 0, 0]),
     "embedding_bag_max_some_empty": lambda d: _embedding_bag_grad(d, "max", [1, 3, 2], [0, 0, 2]),
@@ -541,6 +556,13 @@ def _embedding_bag_grad(d, mode, indices, offsets):
     out = bag(torch.tensor(indices, dtype=torch.long, device=d), torch.tensor(offsets, device=d))
     (out * torch.arange(out.numel(), device=d).reshape(out.shape)).sum().backward()
     return out, bag.weight.grad
+
+
+def _margin_grad(d, loss, x, target, reduction):
+    x = x.to(d).requires_grad_()
+    out = loss(x, target.to(d), reduction=reduction)
+    out.sum().backward()
+    return out, x.grad
 
 
 def _unpool_empty_batch(d, pool, unpool, shape):

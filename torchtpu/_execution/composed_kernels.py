@@ -254,6 +254,28 @@ def _bucketing_out(functional):
     return run
 
 
+def _multilabel_margin_loss_forward(x, target, reduction):
+    """ATen's shape rules (multilabel_margin_loss_shape_check): a vector or scalar input takes
+    any target of as many elements, of at most one dim, and gives a 0-dim loss even unreduced;
+    PyTorch's decomposition wants equal shapes and gives (1,)."""
+    ndims = x.dim()
+    if not ((ndims == 2 and x.shape[1] != 0) or (ndims == 1 and x.shape[0] != 0) or ndims == 0):
+        raise RuntimeError("Expected non-empty vector or matrix with optional 0-dim batch size, "
+                           f"but got: {list(x.shape)}")
+    if ndims <= 1:
+        ok = target.dim() <= 1 and target.numel() == (x.shape[0] if ndims else 1)
+    else:
+        ok = target.dim() == 2 and target.shape == x.shape
+    if not ok:
+        raise RuntimeError(f"inconsistent target size: {list(target.shape)} for input of size: "
+                           f"{list(x.shape)}")
+    kernel = kernel_for(aten.multilabel_margin_loss_forward.default)
+    if ndims == 2:
+        return kernel(x, target, reduction)
+    loss, is_target = kernel(x.reshape(-1), target.reshape(-1), reduction)
+    return loss.reshape(()), is_target.reshape(target.shape)
+
+
 def _abs_(x):
     if x.is_complex():  # ATen's abs_ (the derived in-place variant would cast to the real dtype)
         raise RuntimeError("In-place abs is not supported for complex tensors.")
@@ -609,6 +631,7 @@ def kernels():
             aten.nonzero.out: _nonzero_out,
             aten.masked_select.out: _masked_select_out,
             aten.abs.out: _abs_out,
+            aten.multilabel_margin_loss_forward.default: _multilabel_margin_loss_forward,
             aten.searchsorted.Tensor_out: _bucketing_out(torch.searchsorted),
             aten.searchsorted.Scalar_out: _bucketing_out(torch.searchsorted),
             aten.bucketize.Tensor_out: _bucketing_out(torch.bucketize),

@@ -60,8 +60,10 @@ def multi_margin_loss_backward(grad, x, target, p, margin, weight=None, reductio
 @lowering("aten::multilabel_margin_loss_backward.default")
 def multilabel_margin_loss_backward(grad, x, target, reduction, is_target):
     forward = _forward(aten.multilabel_margin_loss_forward.default)
-    _, pullback = jax.vjp(lambda a: forward(a, target, reduction)[0], x)
-    return pullback(grad.astype(x.dtype))[0]
+    # (a vector's target may be a scalar, its unreduced loss 0-dim: ATen's shape rules)
+    target = target.reshape(x.shape)
+    loss, pullback = jax.vjp(lambda a: forward(a, target, reduction)[0], x)
+    return pullback(grad.astype(x.dtype).reshape(loss.shape))[0]
 
 
 def _grid_sampler_backward(forward):
