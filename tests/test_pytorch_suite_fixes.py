@@ -527,6 +527,22 @@ CASES = {
         d, F.multilabel_margin_loss, torch.tensor([[0.4]]), torch.tensor([0]), "none"),
     "multilabel_margin_loss_empty_vector": lambda d: _margin_grad(
         d, F.multilabel_margin_loss, torch.empty(0), torch.empty(0, dtype=torch.long), "none"),
+    # multi_margin_loss: ATen's shape rules and words (the unreduced loss of the target's shape).
+    "multi_margin_loss_scalar_input_none": lambda d: _margin_grad(
+        d, F.multi_margin_loss, torch.tensor(0.3), torch.tensor(0), "none"),
+    "multi_margin_loss_vector_input_none": lambda d: _margin_grad(
+        d, F.multi_margin_loss, torch.tensor([0.1, 0.9, -0.2]), torch.tensor([2]), "none"),
+    "multi_margin_loss_matrix_weighted": lambda d: F.multi_margin_loss(
+        torch.tensor([[0.1, 0.9, -0.2], [1.0, 2.0, 3.0]], device=d), torch.tensor([2, 1], device=d),
+        p=2, margin=0.5, weight=torch.tensor([0.5, 2.0, 1.0], device=d), reduction="none"),
+    "multi_margin_loss_target_size": lambda d: F.multi_margin_loss(
+        torch.ones(2, 3, device=d), torch.tensor([1], device=d)),
+    "multi_margin_loss_target_2d": lambda d: F.multi_margin_loss(
+        torch.tensor(0.3, device=d), torch.tensor([[0]], device=d)),
+    "multi_margin_loss_weight_size": lambda d: F.multi_margin_loss(
+        torch.ones(2, 3, device=d), torch.tensor([1, 1], device=d), weight=torch.ones(2, device=d)),
+    "multi_margin_loss_empty_classes": lambda d: F.multi_margin_loss(
+        torch.ones(2, 0, device=d), torch.tensor([1, 1], device=d)),
     # embedding_bag: all bags empty in max mode (no index to gather), its dims checked first.
     "embedding_bag_max_all_empty": lambda d: _embedding_bag_grad(d, "max", [], [0, 0, 0]),
     "embedding_bag_max_some_empty": lambda d: _embedding_bag_grad(d, "max", [1, 3, 2], [0, 0, 2]),

@@ -276,6 +276,30 @@ def _multilabel_margin_loss_forward(x, target, reduction):
     return loss.reshape(()), is_target.reshape(target.shape)
 
 
+def _multi_margin_loss(x, target, p=1, margin=1, weight=None, reduction=1):
+    """ATen's shape rules (multi_margin_loss_shape_check): a vector or scalar input is one
+    sample, its target of one element of at most one dim, and the unreduced loss has the
+    target's shape; PyTorch's decomposition words its checks apart and gives (1,)."""
+    ndims = x.dim()
+    if not ((ndims == 2 and x.shape[1] != 0) or (ndims == 1 and x.shape[0] != 0) or ndims == 0):
+        raise RuntimeError("Expected non-empty vector or matrix with optional 0-dim batch size, "
+                           f"but got: {list(x.shape)}")
+    nframe, dim = (1, x.shape[0] if ndims else 1) if ndims <= 1 else tuple(x.shape)
+    if not (target.dim() <= 1 and target.numel() == nframe):
+        raise RuntimeError(
+            "multi_margin_loss: target tensor should be 1-D with size equal to the number of "
+            f"input samples (batch size). Expected target size [{nframe}], but got "
+            f"{list(target.shape)}. Input has shape {list(x.shape)}.")
+    if weight is not None and not (weight.dim() <= 1 and weight.numel() == dim):
+        raise RuntimeError(f"inconsistent weight size, expected {dim} but got {list(weight.shape)}")
+    loss = kernel_for(aten.multi_margin_loss.default)(
+        x.reshape(nframe, dim), target.reshape(nframe), p, margin,
+        None if weight is None else weight.reshape(dim), reduction)
+    if reduction == 0:
+        return loss.reshape((nframe,) if target.dim() else ())
+    return loss
+
+
 def _abs_(x):
     if x.is_complex():  # ATen's abs_ (the derived in-place variant would cast to the real dtype)
         raise RuntimeError("In-place abs is not supported for complex tensors.")
@@ -631,6 +655,7 @@ def kernels():
             aten.nonzero.out: _nonzero_out,
             aten.masked_select.out: _masked_select_out,
             aten.abs.out: _abs_out,
+            aten.multi_margin_loss.default: _multi_margin_loss,
             aten.multilabel_margin_loss_forward.default: _multilabel_margin_loss_forward,
             aten.searchsorted.Tensor_out: _bucketing_out(torch.searchsorted),
             aten.searchsorted.Scalar_out: _bucketing_out(torch.searchsorted),

@@ -53,8 +53,14 @@ for _name in ("softshrink", "hardshrink"):
 
 @lowering("aten::multi_margin_loss_backward.default", static=("p", "margin"))
 def multi_margin_loss_backward(grad, x, target, p, margin, weight=None, reduction=1):
-    return _input_backward(aten.multi_margin_loss.default)(grad, x, target, p, margin, weight,
-                                                           reduction)
+    # As the forward's kernel (composed_kernels): one row per sample, the unreduced loss of
+    # the target's shape.
+    rows = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
+    weight = None if weight is None else weight.reshape(-1)
+    forward = _forward(aten.multi_margin_loss.default)
+    loss, pullback = jax.vjp(
+        lambda a: forward(a, target.reshape(-1), p, margin, weight, reduction), rows)
+    return pullback(grad.astype(x.dtype).reshape(loss.shape))[0].reshape(x.shape)
 
 
 @lowering("aten::multilabel_margin_loss_backward.default")
