@@ -358,6 +358,16 @@ CASES = {
         torch.tensor([2, 1, 0], device=d), torch.rand(3, device=d)),
     "index_fill_index_is_self": lambda d: torch.tensor([2, 1, 0], device=d).index_fill_(
         0, torch.tensor([2, 1, 0], device=d)[:], 0),
+    "index_copy_0dim_index_1d_source": lambda d: torch.zeros(1, device=d).index_copy_(
+        0, torch.tensor(0, device=d), torch.full((1,), 3.0, device=d)),
+    "index_copy_0dim_index_row": lambda d: torch.zeros(3, 4, device=d).index_copy_(
+        0, torch.tensor(1, device=d), torch.ones(1, 4, device=d)),
+    "index_fill_complex_scalar_into_float": lambda d: torch.ones(2, 2, device=d).index_fill_(
+        1, torch.tensor([0], device=d), 1 + 1j),
+    "index_fill_complex_tensor_into_float": lambda d: torch.ones(2, 2, device=d).index_fill_(
+        1, torch.tensor([0], device=d), torch.tensor(1 + 1j, device=d)),
+    "index_fill_complex_into_complex": lambda d: torch.ones(2, 2, dtype=torch.complex64, device=d).index_fill_(
+        1, torch.tensor([0], device=d), 1 + 1j),
     "searchsorted_scalar_2d_boundaries": lambda d: torch.searchsorted(torch.ones(2, 3, device=d), 1),
     "unique_nans_distinct": lambda d: torch.unique(
         torch.tensor([1.0, float("nan"), 2.0, float("nan"), 1.0], device=d),

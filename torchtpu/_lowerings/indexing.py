@@ -232,6 +232,10 @@ def _check_index_fill(x, dim, index, value):
     canonicalize_dim(x.dim(), dim)  # IndexError first, as the CPU
     if index.dtype != torch.int64:
         raise IndexError("index_fill_(): Expected dtype int64 for index.")
+    if not x.is_complex() and (value.is_complex() if isinstance(value, torch.Tensor)
+                               else isinstance(value, complex)):
+        raise RuntimeError("index_fill_(): Converting complex Scalar to non-complex type is not "
+                           "supported")
     if not isinstance(value, torch.Tensor):
         check_scalar_fits(value, x.dtype)
 
@@ -325,8 +329,9 @@ def index_copy(x, dim, index, source):
                 f"{size}", negative=False)
     if x.ndim == 0:
         return jnp.reshape(source, ())
-    src = jnp.moveaxis(source, dim, 0) if source.ndim else source
-    return jnp.moveaxis(jnp.moveaxis(x, dim, 0).at[index].set(src), 0, dim)
+    # (a 0-dim index or source stands for one slice, as on the CPU)
+    src = jnp.moveaxis(source, dim, 0) if source.ndim else source.reshape(1)
+    return jnp.moveaxis(jnp.moveaxis(x, dim, 0).at[index.reshape(-1)].set(src), 0, dim)
 
 
 @lowering("aten::masked_scatter.default", eager=True)
