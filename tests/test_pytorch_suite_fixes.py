@@ -368,6 +368,11 @@ CASES = {
         1, torch.tensor([0], device=d), torch.tensor(1 + 1j, device=d)),
     "index_fill_complex_into_complex": lambda d: torch.ones(2, 2, dtype=torch.complex64, device=d).index_fill_(
         1, torch.tensor([0], device=d), 1 + 1j),
+    # masked_scatter_ expands its mask to self, as ATen's expand_inplace (in expand's words).
+    "masked_scatter_inplace_mask_past_self": lambda d: torch.randn(2, 3, device=d).masked_scatter_(
+        torch.ones(3, 2, dtype=torch.bool, device=d), torch.ones(6, device=d)),
+    "masked_scatter_inplace_mask_broadcast": lambda d: torch.zeros(2, 3, device=d).masked_scatter_(
+        torch.tensor([True, False, True], device=d), torch.arange(6.0, device=d)),
     "searchsorted_scalar_2d_boundaries": lambda d: torch.searchsorted(torch.ones(2, 3, device=d), 1),
     "unique_nans_distinct": lambda d: torch.unique(
         torch.tensor([1.0, float("nan"), 2.0, float("nan"), 1.0], device=d),

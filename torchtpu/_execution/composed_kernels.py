@@ -300,6 +300,13 @@ def _multi_margin_loss(x, target, p=1, margin=1, weight=None, reduction=1):
     return loss
 
 
+def _masked_scatter_(x, mask, source):
+    # ATen's masked_scatter_ expands the mask to self (expand_inplace): a mask broadcasting past
+    # self is refused in expand's words (the lowering broadcasts both, for masked_scatter).
+    mask.expand(x.shape)
+    return kernel_for(aten.masked_scatter_.default)(x, mask, source)
+
+
 def _abs_(x):
     if x.is_complex():  # ATen's abs_ (the derived in-place variant would cast to the real dtype)
         raise RuntimeError("In-place abs is not supported for complex tensors.")
@@ -655,6 +662,7 @@ def kernels():
             aten.nonzero.out: _nonzero_out,
             aten.masked_select.out: _masked_select_out,
             aten.abs.out: _abs_out,
+            aten.masked_scatter_.default: _masked_scatter_,
             aten.multi_margin_loss.default: _multi_margin_loss,
             aten.multilabel_margin_loss_forward.default: _multilabel_margin_loss_forward,
             aten.searchsorted.Tensor_out: _bucketing_out(torch.searchsorted),
