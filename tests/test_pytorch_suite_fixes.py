@@ -558,6 +558,27 @@ CASES = {
         torch.ones(2, 3, device=d), torch.tensor([1, 1], device=d), weight=torch.ones(2, device=d)),
     "multi_margin_loss_empty_classes": lambda d: F.multi_margin_loss(
         torch.ones(2, 0, device=d), torch.tensor([1, 1], device=d)),
+    # grid_sampler: ATen's checks in its order and words; empty batches and channels.
+    "grid_sampler_2d_of_5d_batch_size": lambda d: torch.grid_sampler_2d(
+        torch.ones(5, 5, 5, 5, 5, device=d), torch.zeros(1, 1, 1, 4, 4, device=d), 0, 0, True),
+    "grid_sampler_batch_size": lambda d: torch.grid_sampler(
+        torch.ones(5, 5, 5, 5, device=d), torch.zeros(1, 1, 4, 4, device=d), 0, 0, True),
+    "grid_sampler_2d_grid_last_dim": lambda d: torch.grid_sampler_2d(
+        torch.ones(2, 3, 5, 5, device=d), torch.zeros(2, 2, 2, 3, device=d), 0, 0, True),
+    "grid_sampler_2d_rank": lambda d: torch.grid_sampler_2d(
+        torch.ones(2, 3, 5, 5, device=d), torch.zeros(2, 2, 2, 2, 2, device=d), 0, 0, True),
+    "grid_sampler_3d_bicubic": lambda d: torch.grid_sampler_3d(
+        torch.ones(2, 3, 5, 5, 5, device=d), torch.zeros(2, 2, 2, 2, 3, device=d), 2, 0, True),
+    "grid_sampler_empty_spatial": lambda d: torch.grid_sampler(
+        torch.ones(2, 3, 0, 5, device=d), torch.zeros(2, 2, 2, 2, device=d), 0, 0, True),
+    "grid_sampler_empty_batch": _pool_grad(
+        lambda x: F.grid_sample(x, torch.zeros(0, 2, 2, 2, device=x.device), align_corners=True),
+        (0, 3, 5, 5)),
+    "grid_sample_input_grad_only": _pool_grad(
+        lambda x: F.grid_sample(x, torch.linspace(-0.7, 0.8, 8, device=x.device).reshape(1, 2, 2, 2),
+                                align_corners=True), (1, 2, 4, 5)),
+    "grid_sampler_no_channels": lambda d: F.grid_sample(
+        torch.ones(2, 0, 5, 5, device=d), torch.zeros(2, 2, 2, 2, device=d), align_corners=True),
     # embedding_bag: all bags empty in max mode (no index to gather), its dims checked first.
     "embedding_bag_max_all_empty": lambda d: _embedding_bag_grad(d, "max", [], [0, 0, 0]),
     "embedding_bag_max_some_empty": lambda d: _embedding_bag_grad(d, "max", [1, 3, 2], [0, 0, 2]),

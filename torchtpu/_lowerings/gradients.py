@@ -77,7 +77,9 @@ def _grid_sampler_backward(forward):
         _, pullback = jax.vjp(lambda a, g: _forward(forward)(
             a, g, interpolation_mode, padding_mode, align_corners), x, grid)
         grad_x, grad_grid = pullback(grad.astype(x.dtype))
-        return (grad_x if output_mask[0] else None), (grad_grid if output_mask[1] else None)
+        # The grid's gradient always (ATen computes it whatever the mask; PyTorch's meta kernels
+        # return it: None here left the results one short).
+        return (grad_x if output_mask[0] else None), grad_grid
     return backward
 
 
