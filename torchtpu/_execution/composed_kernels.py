@@ -14,9 +14,9 @@ from .._lowerings import attention
 from .._lowerings.batch_norm import _stats_dtype
 from .._lowerings.factories import _check_arange
 from .._lowerings.indexing import check_searchsorted_out
-from .._lowerings.meta import _c10_name, dtype_name
+from .._lowerings.meta import _c10_name, dtype_name, warn_resized
 from . import fused, growing_sequences
-from .overlap import _INTERNAL, _internal_overlap
+from .overlap import _BETWEEN, _INTERNAL, _PARTIAL, _internal_overlap, _overlap
 from .kernels import kernel_for
 
 aten = torch.ops.aten
@@ -199,21 +199,11 @@ def _nonzero_out(x, *, out):
     result = torch.nonzero(x)
     shape = tuple(result.shape)
     if out.shape != shape:
-        _warn_resized(out, shape)
+        warn_resized(out, shape)
         out.resize_(0)
         out.resize_(shape[::-1])
         out.as_strided_(shape, (1, shape[0]))
     return out.copy_(result)
-
-
-def _warn_resized(out, shape):
-    if out.numel() > 0:  # ATen's resize_output warning (the Python port words it apart)
-        warnings.warn(f"An output with one or more elements was resized since it had shape "
-                      f"{list(out.shape)}, which does not match the required output shape "
-                      f"{list(shape)}. This behavior is deprecated, and in a future PyTorch "
-                      "release outputs will not be resized unless they have zero elements. You "
-                      "can explicitly reuse an out tensor t by resizing it, inplace, to zero "
-                      "elements with t.resize_(0).", stacklevel=3)
 
 
 def _abs_out(x, *, out):
@@ -234,7 +224,7 @@ def _abs_out(x, *, out):
         raise RuntimeError(_INTERNAL)
     result = torch.abs(x)
     if out.shape != result.shape:
-        _warn_resized(out, tuple(result.shape))
+        warn_resized(out, tuple(result.shape))
         out.resize_(result.shape)
         if out.is_complex():  # ATen's TensorIterator lays a resized out out as the input
             out.as_strided_(result.shape, result.stride())
@@ -248,7 +238,7 @@ def _bucketing_out(functional):
         result = functional(a, b, out_int32=out_int32, **kwargs)
         check_searchsorted_out(out, out_int32)
         if out.shape != result.shape:
-            _warn_resized(out, tuple(result.shape))
+            warn_resized(out, tuple(result.shape))
             out.resize_(result.shape)
         return out.copy_(result)
     return run
@@ -307,6 +297,25 @@ def _masked_scatter_(x, mask, source):
     return kernel_for(aten.masked_scatter_.default)(x, mask, source)
 
 
+def _shift_(overload):
+    """__ilshift__/__irshift__: ATen's TensorIterator raises its overlap and cast errors before
+    the kernel refuses the dtype (the lowering's validate), so they come first."""
+    kernel = kernel_for(overload)
+
+    def run(x, other):
+        if _internal_overlap(x):
+            raise RuntimeError(_INTERNAL)
+        if (isinstance(other, torch.Tensor) and other.device == x.device
+                and _overlap(x, other) == _PARTIAL):
+            raise RuntimeError(_BETWEEN)
+        dtype = torch.result_type(x, other)
+        if not torch.can_cast(dtype, x.dtype):
+            raise RuntimeError(f"result type {dtype_name(dtype)} can't be cast to the desired "
+                               f"output type {dtype_name(x.dtype)}")
+        return kernel(x, other)
+    return run
+
+
 def _abs_(x):
     if x.is_complex():  # ATen's abs_ (the derived in-place variant would cast to the real dtype)
         raise RuntimeError("In-place abs is not supported for complex tensors.")
@@ -320,7 +329,7 @@ def _masked_select_out(x, mask, *, out):
     if out.dtype != result.dtype:
         raise RuntimeError("masked_select(): self and result must have the same scalar type")
     if out.shape != result.shape:
-        _warn_resized(out, tuple(result.shape))
+        warn_resized(out, tuple(result.shape))
         out.resize_(result.shape)
     return out.copy_(result)
 
@@ -662,6 +671,10 @@ def kernels():
             aten.nonzero.out: _nonzero_out,
             aten.masked_select.out: _masked_select_out,
             aten.abs.out: _abs_out,
+            aten.__ilshift__.Tensor: _shift_(aten.__ilshift__.Tensor),
+            aten.__ilshift__.Scalar: _shift_(aten.__ilshift__.Scalar),
+            aten.__irshift__.Tensor: _shift_(aten.__irshift__.Tensor),
+            aten.__irshift__.Scalar: _shift_(aten.__irshift__.Scalar),
             aten.masked_scatter_.default: _masked_scatter_,
             aten.multi_margin_loss.default: _multi_margin_loss,
             aten.multilabel_margin_loss_forward.default: _multilabel_margin_loss_forward,

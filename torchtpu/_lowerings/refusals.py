@@ -37,24 +37,7 @@ def _meta_error(name, args):
     return None
 
 
-def _tensor_iterator_checks(args):
-    """The errors ATen's TensorIterator raises for an in-place op before its kernel dispatches
-    on the dtype: a written tensor with overlapping elements or partly overlapping an input, a
-    result its dtype cannot hold."""
-    from .._execution import overlap
-    x, other = args[0], args[1]
-    if overlap._internal_overlap(x):
-        raise RuntimeError(overlap._INTERNAL)
-    if (isinstance(other, torch.Tensor) and other.device == x.device
-            and overlap._overlap(x, other) == overlap._PARTIAL):
-        raise RuntimeError(overlap._BETWEEN)
-    dtype = elementwise_dtypes(x, other, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)[1]
-    if not torch.can_cast(dtype, x.dtype):
-        raise RuntimeError(f"result type {dtype_name(dtype)} can't be cast to the desired output "
-                           f"type {dtype_name(x.dtype)}")
-
-
-def _refusing(previous, name, kinds, arity, exc, empty, kernel=None, inplace=False):
+def _refusing(previous, name, kinds, arity, exc, empty, kernel=None):
     def validate(*args):
         if previous is not None:
             previous(*args)
@@ -66,8 +49,6 @@ def _refusing(previous, name, kinds, arity, exc, empty, kernel=None, inplace=Fal
         dtype = operands[0].dtype if len(operands) == 1 else elementwise_dtypes(
             *operands, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)[1]
         if _kind(dtype) in kinds or dtype in kinds:
-            if inplace:
-                _tensor_iterator_checks(args)
             op = kernel or name.split("::")[1].split(".")[0]
             raise _meta_error(name, args) or exc(f'"{op}" not implemented for \'{dtype_name(dtype)}\'')
     return validate
@@ -94,17 +75,15 @@ def _also(name, check):
     low.validate = validate
 
 
-def refuse(kinds, *names, arity=1, exc=NotImplementedError, empty=True, kernel=None,
-           inplace=False):
+def refuse(kinds, *names, arity=1, exc=NotImplementedError, empty=True, kernel=None):
     """The lowerings of `names` (aten overloads) refuse `kinds` of dtype ("bool", "int",
     "float", "complex", or a torch dtype), as the CPU does, after its shape checks;
     `arity` leading arguments decide the dtype (promoted together); empty=False: a kernel that
     returns before looking at the dtype when its input is empty; `kernel`: the name the CPU's
-    message gives (the op's by default); inplace: an in-place op whose overlap and cast errors
-    come first."""
+    message gives (the op's by default)."""
     lowerings = {id(low): (low, n) for n in names if (low := _lowering(n)) is not None}
     for low, name in lowerings.values():
-        low.validate = _refusing(low.validate, name, kinds, arity, exc, empty, kernel, inplace)
+        low.validate = _refusing(low.validate, name, kinds, arity, exc, empty, kernel)
 
 
 refuse(("bool",), "aten::abs.default", "aten::floor.default", "aten::ceil.default",
@@ -125,9 +104,8 @@ for _direction in ("left", "right"):  # the CPU kernels' names: lshift_cpu, rshi
     _op = _direction[0] + "shift"
     refuse(("bool", "float", "complex"), f"aten::bitwise_{_direction}_shift.Tensor",
            f"aten::bitwise_{_direction}_shift.Tensor_Scalar", f"aten::__{_op}__.Tensor",
-           f"aten::__{_op}__.Scalar", arity=2, kernel=f"{_op}_cpu")
-    refuse(("bool", "float", "complex"), f"aten::__i{_op}__.Tensor", f"aten::__i{_op}__.Scalar",
-           arity=2, kernel=f"{_op}_cpu", inplace=True)
+           f"aten::__{_op}__.Scalar", f"aten::__i{_op}__.Tensor", f"aten::__i{_op}__.Scalar",
+           arity=2, kernel=f"{_op}_cpu")
 refuse(("bool", "int"), "aten::lerp.Scalar", "aten::lerp.Tensor")
 refuse(("complex",), "aten::clamp.default", "aten::clamp.Tensor", "aten::clamp_min.default",
        "aten::clamp_min.Tensor", "aten::clamp_max.default", "aten::clamp_max.Tensor")
