@@ -160,6 +160,15 @@ def _igamma_grid(d):
     return a.to(d), x.to(d)
 
 
+def _pool_grad(pool, shape, *args):
+    def call(d):
+        x = torch.ones(shape, device=d, requires_grad=True)
+        y = pool(x, *args)
+        y.sum().backward()
+        return y, x.grad
+    return call
+
+
 CASES = {
     # An in-place elementwise op writing overlapping memory: ATen's TensorIterator refuses it.
     "elu_overlap": lambda d: F.elu_(_expanded(d)),
@@ -282,6 +291,9 @@ CASES = {
     "frexp_out_exponent_dtype": lambda d: torch.frexp(torch.ones(3, device=d), out=(
         torch.empty(3, device=d), torch.empty(3, dtype=torch.int64, device=d))),
     "mean_repeated_dim": lambda d: torch.ones(3, 4, device=d).mean((0, -2)),
+    "norm_repeated_dim": lambda d: torch.norm(torch.ones(3, 4, device=d), dim=(0, -2)),
+    "vector_norm_repeated_dim": lambda d: torch.linalg.vector_norm(torch.ones(3, 4, device=d), dim=(1, 1)),
+    "count_nonzero_repeated_dim": lambda d: torch.count_nonzero(torch.ones(3, 4, device=d), dim=(0, 0)),
     "kthvalue_empty_dim": lambda d: torch.kthvalue(torch.ones(2, 0, device=d), 1, 1),
     # all/any store into a bool or uint8 out only.
     "all_out_float": lambda d: torch.all(torch.ones(3, device=d), out=torch.empty(0, device=d)),
@@ -346,6 +358,21 @@ CASES = {
         torch.tensor([2, 1, 0], device=d), torch.rand(3, device=d)),
     "index_fill_index_is_self": lambda d: torch.tensor([2, 1, 0], device=d).index_fill_(
         0, torch.tensor([2, 1, 0], device=d)[:], 0),
+    "index_copy_0dim_index_1d_source": lambda d: torch.zeros(1, device=d).index_copy_(
+        0, torch.tensor(0, device=d), torch.full((1,), 3.0, device=d)),
+    "index_copy_0dim_index_row": lambda d: torch.zeros(3, 4, device=d).index_copy_(
+        0, torch.tensor(1, device=d), torch.ones(1, 4, device=d)),
+    "index_fill_complex_scalar_into_float": lambda d: torch.ones(2, 2, device=d).index_fill_(
+        1, torch.tensor([0], device=d), 1 + 1j),
+    "index_fill_complex_tensor_into_float": lambda d: torch.ones(2, 2, device=d).index_fill_(
+        1, torch.tensor([0], device=d), torch.tensor(1 + 1j, device=d)),
+    "index_fill_complex_into_complex": lambda d: torch.ones(2, 2, dtype=torch.complex64, device=d).index_fill_(
+        1, torch.tensor([0], device=d), 1 + 1j),
+    # masked_scatter_ expands its mask to self, as ATen's expand_inplace (in expand's words).
+    "masked_scatter_inplace_mask_past_self": lambda d: torch.randn(2, 3, device=d).masked_scatter_(
+        torch.ones(3, 2, dtype=torch.bool, device=d), torch.ones(6, device=d)),
+    "masked_scatter_inplace_mask_broadcast": lambda d: torch.zeros(2, 3, device=d).masked_scatter_(
+        torch.tensor([True, False, True], device=d), torch.arange(6.0, device=d)),
     "searchsorted_scalar_2d_boundaries": lambda d: torch.searchsorted(torch.ones(2, 3, device=d), 1),
     "unique_nans_distinct": lambda d: torch.unique(
         torch.tensor([1.0, float("nan"), 2.0, float("nan"), 1.0], device=d),
@@ -384,7 +411,239 @@ CASES = {
     "uniform_range_past_float_max": lambda d: torch.empty(3, device=d).uniform_(-3.4e38, 3.4e38),
     "uniform_float64_past_float32_range": lambda d: torch.empty(
         2000, dtype=torch.float64, device=d).uniform_(-1e300, 1e300).abs().max() > 1e299,
+    # logcumsumexp(out=): _logcumsumexp.out had no meta kernel; out resized with ATen's warning,
+    # the dtype refused, the dim checked.
+    "logcumsumexp_out": lambda d: _logcumsumexp_out(d, torch.zeros(5, 2, device=d)),
+    "logcumsumexp_out_resized": lambda d: _logcumsumexp_out(d, torch.zeros(3, device=d), 0),
+    "logcumsumexp_out_transposed_input": lambda d: _logcumsumexp_out(
+        d, torch.zeros(0, device=d), 0, transposed=True),
+    "logcumsumexp_out_dtype": lambda d: torch.logcumsumexp(
+        torch.ones(5, 2, dtype=torch.float64, device=d), -1, out=torch.zeros(5, 2, device=d)),
+    "logcumsumexp_out_bad_dim": lambda d: _logcumsumexp_out(d, torch.zeros(5, 2, device=d), 2),
+    # A random fill's parameter checked on every call, not only the first of its shape and dtype
+    # (whose shape inference saw it), then its dtype.
+    "cauchy_zero_sigma_after_valid": lambda d: _fill_after_valid(d, lambda t, v: t.cauchy_(0.0, v), 0.5, 0.0),
+    "exponential_negative_lambda_after_valid": lambda d: _fill_after_valid(
+        d, lambda t, v: t.exponential_(v), 0.5, -0.5),
+    "exponential_nan_lambda": lambda d: torch.empty(1, device=d).exponential_(float("nan")),
+    "exponential_inf_lambda": lambda d: torch.empty(3, device=d).exponential_(float("inf")),
+    "cauchy_inf_median": lambda d: torch.empty(3, device=d).cauchy_(float("inf"), 0.5),
+    "geometric_p_one_after_valid": lambda d: _fill_after_valid(d, lambda t, v: t.geometric_(v), 0.5, 1.0),
+    "log_normal_negative_std_after_valid": lambda d: _fill_after_valid(
+        d, lambda t, v: t.log_normal_(0.0, v), 0.5, -1.0),
+    "exponential_int": lambda d: torch.empty(3, dtype=torch.int64, device=d).exponential_(),
+    "exponential_complex_negative_lambda": lambda d: torch.empty(
+        3, dtype=torch.complex64, device=d).exponential_(-1.0),
+    "cauchy_uint8": lambda d: torch.empty(3, dtype=torch.uint8, device=d).cauchy_(),
+    "log_normal_int": lambda d: torch.empty(3, dtype=torch.int32, device=d).log_normal_(),
+    "geometric_bool": lambda d: torch.empty(3, dtype=torch.bool, device=d).geometric_(0.5),
+    # Shifts: an in-place shift's overlap and cast errors before the dtype's refusal, which
+    # names the CPU kernel.
+    "ilshift_float_partial_overlap": lambda d: (lambda x: x[:-1].__ilshift__(x[1:]))(torch.rand(3, device=d)),
+    "irshift_float_partial_overlap": lambda d: (lambda x: x[:-1].__irshift__(x[1:]))(torch.rand(3, device=d)),
+    "ilshift_float_expanded": lambda d: torch.rand(1, device=d).expand(3).__ilshift__(1),
+    "ilshift_long_by_float": lambda d: torch.ones(3, dtype=torch.long, device=d).__ilshift__(1.5),
+    "ilshift_float": lambda d: torch.rand(3, device=d).__ilshift__(2),
+    "rshift_bool": lambda d: torch.ones(3, dtype=torch.bool, device=d) >> torch.ones(3, dtype=torch.bool, device=d),
+    "bitwise_left_shift_float": lambda d: torch.bitwise_left_shift(torch.rand(3, device=d), 1),
+    # abs(out=) of a complex input: into a complex out of its dtype (imaginary parts of zero, laid
+    # out as the input when resized), into a real out it casts to; other dtypes in ATen's words.
+    "abs_complex_into_complex_out": lambda d: torch.abs(
+        _complex_2x2(d), out=torch.empty(2, 2, dtype=torch.complex64, device=d)),
+    "abs_complex_into_empty_complex_out": lambda d: torch.abs(
+        _complex_2x2(d).t(), out=torch.empty(0, dtype=torch.complex64, device=d)),
+    "abs_complex_into_resized_complex_out": lambda d: torch.abs(
+        _complex_2x2(d), out=torch.empty(3, dtype=torch.complex64, device=d)),
+    "abs_complex_into_float64_out": lambda d: torch.abs(
+        _complex_2x2(d), out=torch.empty(1, dtype=torch.float64, device=d)),
+    "abs_complex_into_complex128_out": lambda d: torch.abs(
+        _complex_2x2(d), out=torch.empty(2, 2, dtype=torch.complex128, device=d)),
+    "abs_complex_into_int_out": lambda d: torch.abs(
+        _complex_2x2(d), out=torch.empty(2, 2, dtype=torch.int64, device=d)),
+    "abs_complex_into_expanded_out": lambda d: torch.abs(
+        _complex_2x2(d), out=torch.empty(1, device=d).expand(2, 2)),
+    "abs_float_into_float64_out": lambda d: torch.abs(
+        torch.ones(2, device=d), out=torch.empty(2, dtype=torch.float64, device=d)),
+    "abs_inplace_complex": lambda d: _complex_2x2(d).abs_(),
+    "abs_inplace_float": lambda d: torch.tensor([-1.5, 2.0], device=d).abs_(),
+    "angle_complex_into_complex_out": lambda d: torch.angle(
+        _complex_2x2(d), out=torch.empty(2, 2, dtype=torch.complex64, device=d)),
+    # Pooling of empty batches and to empty outputs: empty results and gradients, the CPU's
+    # checks in its words (PyTorch's meta kernels word some apart).
+    "max_pool1d_empty_batch": _pool_grad(F.max_pool1d, (0, 4, 10), 3, 2),
+    "max_pool2d_empty_batch": _pool_grad(F.max_pool2d, (0, 4, 10, 8), 3, 2),
+    "max_pool3d_empty_batch": _pool_grad(F.max_pool3d, (0, 4, 5, 4, 3), 3, 2),
+    "adaptive_max_pool1d_empty_batch": _pool_grad(F.adaptive_max_pool1d, (0, 4, 10), 3),
+    "adaptive_max_pool2d_empty_batch": _pool_grad(F.adaptive_max_pool2d, (0, 4, 10, 8), 3),
+    "adaptive_max_pool3d_empty_batch": _pool_grad(F.adaptive_max_pool3d, (0, 4, 5, 4, 3), 3),
+    "adaptive_max_pool2d_empty_channels": _pool_grad(F.adaptive_max_pool2d, (1, 0, 10, 8), 3),
+    "adaptive_avg_pool1d_empty_batch": _pool_grad(F.adaptive_avg_pool1d, (0, 10), 5),
+    "adaptive_avg_pool2d_empty_batch": _pool_grad(F.adaptive_avg_pool2d, (0, 10, 10), 5),
+    "adaptive_avg_pool2d_empty_spatial": _pool_grad(F.adaptive_avg_pool2d, (2, 3, 0, 10), 5),
+    "adaptive_avg_pool2d_output_size_0_backward": _pool_grad(F.adaptive_avg_pool2d, (1, 4, 10, 9), 0),
+    "adaptive_avg_pool3d_output_size_0_backward": _pool_grad(F.adaptive_avg_pool3d, (1, 4, 10, 9), 0),
+    "adaptive_max_pool2d_output_size_0_backward": _pool_grad(F.adaptive_max_pool2d, (1, 4, 10, 9), 0),
+    "adaptive_max_pool1d_output_size_0_backward": _pool_grad(F.adaptive_max_pool1d, (1, 4), 0),
+    "max_unpool2d_empty_batch": lambda d: _unpool_empty_batch(d, F.max_pool2d, F.max_unpool2d, (0, 3, 4, 4)),
+    "max_unpool3d_empty_batch": lambda d: _unpool_empty_batch(d, F.max_pool3d, F.max_unpool3d, (0, 3, 4, 4, 4)),
+    "fractional_max_pool2d_output_size_0": lambda d: torch.ops.aten.fractional_max_pool2d(
+        torch.rand(2, 3, 8, 8, device=d), (2, 2), (0, 1), torch.rand(2, 3, 2, device=d)),
+    "fractional_max_pool3d_output_size_0_unbatched": lambda d: torch.ops.aten.fractional_max_pool3d(
+        torch.rand(3, 8, 8, 8, device=d), (3, 2, 2), (0, 1, 1), torch.rand(1, 3, 3, device=d)),
+    "fractional_max_pool3d_too_few_samples": lambda d: torch.ops.aten.fractional_max_pool3d(
+        torch.rand(1, 3, 8, 8, 8, device=d), (3, 2, 2), (1, 1, 1), torch.rand(0, 3, 3, device=d)),
+    "fractional_max_pool3d_samples_of_2d": lambda d: torch.ops.aten.fractional_max_pool3d(
+        torch.rand(1, 3, 8, 8, 8, device=d), (3, 2, 2), (1, 1, 1), torch.rand(1, 3, 2, device=d)),
+    "fractional_max_pool2d_samples_dtype": lambda d: torch.ops.aten.fractional_max_pool2d(
+        torch.rand(1, 3, 8, 8, device=d), (2, 2), (2, 2), torch.rand(1, 3, 2, dtype=torch.float64, device=d)),
+    "fractional_max_pool2d_kernel_size": lambda d: torch.ops.aten.fractional_max_pool2d(
+        torch.rand(1, 3, 8, 8, device=d), (2,), (2, 2), torch.rand(1, 3, 2, device=d)),
+    "fractional_max_pool2d_pool_too_large": lambda d: torch.ops.aten.fractional_max_pool2d(
+        torch.rand(1, 3, 8, 8, device=d), (2, 2), (3, 8), torch.rand(1, 3, 2, device=d)),
+    "fractional_max_pool3d_empty_channels": lambda d: torch.ops.aten.fractional_max_pool3d(
+        torch.rand(1, 0, 8, 8, 8, device=d), (2, 2, 2), (2, 2, 2), torch.rand(1, 0, 3, device=d)),
+    # searchsorted/bucketize: side and sorter checked, out's dtype refused rather than cast.
+    "searchsorted_out_float": lambda d: torch.searchsorted(
+        torch.arange(5, device=d), torch.arange(5, device=d), out=torch.empty(5, device=d)),
+    "searchsorted_out_int64_with_out_int32": lambda d: torch.searchsorted(
+        torch.arange(5, device=d), torch.arange(5, device=d), out_int32=True,
+        out=torch.empty(5, dtype=torch.long, device=d)),
+    "searchsorted_scalar_out_resized": lambda d: torch.searchsorted(
+        torch.arange(5, device=d), 3, out=torch.empty(3, dtype=torch.long, device=d)),
+    "bucketize_out_int32": lambda d: torch.bucketize(
+        torch.arange(5, device=d), torch.arange(5, device=d), out_int32=True, right=True,
+        out=torch.empty(0, dtype=torch.int32, device=d)),
+    "bucketize_out_int32_flag_off": lambda d: torch.bucketize(
+        torch.arange(5, device=d), torch.arange(5, device=d), out=torch.empty(0, dtype=torch.int32, device=d)),
+    "searchsorted_bad_side": lambda d: torch.searchsorted(
+        torch.arange(5, device=d), torch.arange(5, device=d), side="bad"),
+    "searchsorted_side_opposite_right": lambda d: torch.searchsorted(
+        torch.arange(5, device=d), torch.arange(5, device=d), side="left", right=True),
+    "searchsorted_sorter_size": lambda d: torch.searchsorted(
+        torch.arange(5.0, device=d), 2.5, sorter=torch.arange(4, device=d)),
+    "searchsorted_sorter_dtype": lambda d: torch.searchsorted(
+        torch.arange(5.0, device=d), 2.5, sorter=torch.arange(5.0, device=d)),
+    "searchsorted_sorter_out_of_range": lambda d: torch.searchsorted(
+        torch.arange(3.0, device=d), 2.5, sorter=torch.tensor([0, 1, 3], device=d)),
+    "searchsorted_sorter_negative": lambda d: torch.searchsorted(
+        torch.arange(3.0, device=d), torch.ones(2, device=d), sorter=torch.tensor([-1, 1, 2], device=d)),
+    # multilabel_margin_loss: ATen's shape rules (a vector's target of as many elements, a 0-dim
+    # unreduced loss) and its labels up to the first -1 only.
+    "multilabel_margin_loss_scalar_input_none": lambda d: _margin_grad(
+        d, F.multilabel_margin_loss, torch.tensor(0.3), torch.tensor([0]), "none"),
+    "multilabel_margin_loss_vector_scalar_target": lambda d: _margin_grad(
+        d, F.multilabel_margin_loss, torch.tensor([0.2]), torch.tensor(0), "mean"),
+    "multilabel_margin_loss_vector_none": lambda d: _margin_grad(
+        d, F.multilabel_margin_loss, torch.tensor([0.1, 0.9, -0.2]), torch.tensor([2, -1, 0]), "none"),
+    "multilabel_margin_loss_rows_after_end": lambda d: _margin_grad(
+        d, F.multilabel_margin_loss, torch.tensor([[0.1, 0.9, -0.2], [1.0, 2.0, 3.0]]),
+        torch.tensor([[2, -1, 0], [1, 0, -1]]), "sum"),
+    "multilabel_margin_loss_matrix_vector_target": lambda d: _margin_grad(
+        d, F.multilabel_margin_loss, torch.tensor([[0.4]]), torch.tensor([0]), "none"),
+    "multilabel_margin_loss_empty_vector": lambda d: _margin_grad(
+        d, F.multilabel_margin_loss, torch.empty(0), torch.empty(0, dtype=torch.long), "none"),
+    # multi_margin_loss: ATen's shape rules and words (the unreduced loss of the target's shape).
+    "multi_margin_loss_scalar_input_none": lambda d: _margin_grad(
+        d, F.multi_margin_loss, torch.tensor(0.3), torch.tensor(0), "none"),
+    "multi_margin_loss_vector_input_none": lambda d: _margin_grad(
+        d, F.multi_margin_loss, torch.tensor([0.1, 0.9, -0.2]), torch.tensor([2]), "none"),
+    "multi_margin_loss_matrix_weighted": lambda d: F.multi_margin_loss(
+        torch.tensor([[0.1, 0.9, -0.2], [1.0, 2.0, 3.0]], device=d), torch.tensor([2, 1], device=d),
+        p=2, margin=0.5, weight=torch.tensor([0.5, 2.0, 1.0], device=d), reduction="none"),
+    "multi_margin_loss_target_size": lambda d: F.multi_margin_loss(
+        torch.ones(2, 3, device=d), torch.tensor([1], device=d)),
+    "multi_margin_loss_target_2d": lambda d: F.multi_margin_loss(
+        torch.tensor(0.3, device=d), torch.tensor([[0]], device=d)),
+    "multi_margin_loss_weight_size": lambda d: F.multi_margin_loss(
+        torch.ones(2, 3, device=d), torch.tensor([1, 1], device=d), weight=torch.ones(2, device=d)),
+    "multi_margin_loss_empty_classes": lambda d: F.multi_margin_loss(
+        torch.ones(2, 0, device=d), torch.tensor([1, 1], device=d)),
+    # grid_sampler: ATen's checks in its order and words; empty batches and channels.
+    "grid_sampler_2d_of_5d_batch_size": lambda d: torch.grid_sampler_2d(
+        torch.ones(5, 5, 5, 5, 5, device=d), torch.zeros(1, 1, 1, 4, 4, device=d), 0, 0, True),
+    "grid_sampler_batch_size": lambda d: torch.grid_sampler(
+        torch.ones(5, 5, 5, 5, device=d), torch.zeros(1, 1, 4, 4, device=d), 0, 0, True),
+    "grid_sampler_2d_grid_last_dim": lambda d: torch.grid_sampler_2d(
+        torch.ones(2, 3, 5, 5, device=d), torch.zeros(2, 2, 2, 3, device=d), 0, 0, True),
+    "grid_sampler_2d_rank": lambda d: torch.grid_sampler_2d(
+        torch.ones(2, 3, 5, 5, device=d), torch.zeros(2, 2, 2, 2, 2, device=d), 0, 0, True),
+    "grid_sampler_3d_bicubic": lambda d: torch.grid_sampler_3d(
+        torch.ones(2, 3, 5, 5, 5, device=d), torch.zeros(2, 2, 2, 2, 3, device=d), 2, 0, True),
+    "grid_sampler_empty_spatial": lambda d: torch.grid_sampler(
+        torch.ones(2, 3, 0, 5, device=d), torch.zeros(2, 2, 2, 2, device=d), 0, 0, True),
+    "grid_sampler_empty_batch": _pool_grad(
+        lambda x: F.grid_sample(x, torch.zeros(0, 2, 2, 2, device=x.device), align_corners=True),
+        (0, 3, 5, 5)),
+    "grid_sample_input_grad_only": _pool_grad(
+        lambda x: F.grid_sample(x, torch.linspace(-0.7, 0.8, 8, device=x.device).reshape(1, 2, 2, 2),
+                                align_corners=True), (1, 2, 4, 5)),
+    "grid_sampler_no_channels": lambda d: F.grid_sample(
+        torch.ones(2, 0, 5, 5, device=d), torch.zeros(2, 2, 2, 2, device=d), align_corners=True),
+    # embedding_bag: all bags empty in max mode (no index to gather), its dims checked first.
+    "embedding_bag_max_all_empty": lambda d: _embedding_bag_grad(d, "max", [], [0, 0, 0]),
+    "embedding_bag_max_some_empty": lambda d: _embedding_bag_grad(d, "max", [1, 3, 2], [0, 0, 2]),
+    "embedding_bag_mean_all_empty": lambda d: _embedding_bag_grad(d, "mean", [], [0, 0]),
+    "_embedding_bag_max_empty_bags": lambda d: torch._embedding_bag(
+        torch.arange(10.0, device=d).reshape(5, 2), torch.tensor([1, 3, 2], device=d),
+        torch.tensor([0, 1, 1], device=d), False, 2)[::3],
+    "embedding_bag_5d_input": lambda d: torch.embedding_bag(
+        torch.zeros(2, 6, device=d), torch.ones(2, 0, 0, 6, 6, dtype=torch.long, device=d),
+        torch.zeros(2, 0, 0, 6, 6, dtype=torch.long, device=d)),
+    "embedding_bag_2d_offsets": lambda d: torch._embedding_bag_forward_only(
+        torch.zeros(2, 2, device=d), torch.ones(2, dtype=torch.long, device=d),
+        torch.zeros(2, 3, dtype=torch.long, device=d)),
+    "embedding_bag_3d_weight": lambda d: torch._embedding_bag(
+        torch.zeros(2, 2, 2, device=d), torch.ones(2, dtype=torch.long, device=d),
+        torch.zeros(2, dtype=torch.long, device=d)),
+    "fractional_max_pool2d_empty_batch_backward": _pool_grad(
+        lambda x: F.fractional_max_pool2d(x, 2, output_size=(3, 3), _random_samples=torch.rand(
+            0, 4, 2, device=x.device)), (0, 4, 8, 8)),
 }
+
+
+def _embedding_bag_grad(d, mode, indices, offsets):
+    bag = torch.nn.EmbeddingBag(5, 2, mode=mode).to(d)
+    with torch.no_grad():
+        bag.weight.copy_(torch.arange(10.0, device=d).reshape(5, 2))
+    out = bag(torch.tensor(indices, dtype=torch.long, device=d), torch.tensor(offsets, device=d))
+    (out * torch.arange(out.numel(), device=d).reshape(out.shape)).sum().backward()
+    return out, bag.weight.grad
+
+
+def _margin_grad(d, loss, x, target, reduction):
+    x = x.to(d).requires_grad_()
+    out = loss(x, target.to(d), reduction=reduction)
+    out.sum().backward()
+    return out, x.grad
+
+
+def _unpool_empty_batch(d, pool, unpool, shape):
+    x = torch.randn(shape, device=d, requires_grad=True)
+    y, indices = pool(x, 2, stride=2, return_indices=True)
+    u = unpool(y, indices, 2, stride=2)
+    u.sum().backward()
+    return u, x.grad
+
+
+
+def _complex_2x2(d):
+    return torch.tensor([[1 + 2j, -3 - 1j], [0j, 2j]], device=d)
+
+
+
+
+def _fill_after_valid(d, fill, valid, invalid):
+    t = torch.empty(4, device=d)
+    fill(t, valid)
+    return fill(t, invalid)
+
+
+
+def _logcumsumexp_out(d, out, dim=-1, transposed=False):
+    x = torch.randn(5, 2, generator=torch.Generator().manual_seed(0)).to(d)
+    torch.logcumsumexp(x.t() if transposed else x, dim, out=out)
+    return out
+
 
 
 def _nll_uint8(d):

@@ -13,9 +13,10 @@ from .._core.dtypes import to_torch_dtype
 from .._lowerings import attention
 from .._lowerings.batch_norm import _stats_dtype
 from .._lowerings.factories import _check_arange
-from .._lowerings.meta import c10_name, dtype_name
+from .._lowerings.indexing import check_searchsorted_out
+from .._lowerings.meta import c10_name, dtype_name, warn_resized
 from . import growing_sequences, recording
-from .overlap import _INTERNAL, _internal_overlap
+from .overlap import _BETWEEN, _INTERNAL, _PARTIAL, _internal_overlap, _overlap
 from .kernels import kernel_for
 
 aten = torch.ops.aten
@@ -198,21 +199,127 @@ def _nonzero_out(x, *, out):
     result = torch.nonzero(x)
     shape = tuple(result.shape)
     if out.shape != shape:
-        _warn_resized(out, shape)
+        warn_resized(out, shape)
         out.resize_(0)
         out.resize_(shape[::-1])
         out.as_strided_(shape, (1, shape[0]))
     return out.copy_(result)
 
 
-def _warn_resized(out, shape):
-    if out.numel() > 0:  # ATen's resize_output warning (the Python port words it apart)
-        warnings.warn(f"An output with one or more elements was resized since it had shape "
-                      f"{list(out.shape)}, which does not match the required output shape "
-                      f"{list(shape)}. This behavior is deprecated, and in a future PyTorch "
-                      "release outputs will not be resized unless they have zero elements. You "
-                      "can explicitly reuse an out tensor t by resizing it, inplace, to zero "
-                      "elements with t.resize_(0).", stacklevel=3)
+def _abs_out(x, *, out):
+    """abs(out=) as ATen's unary_op_impl_with_complex_to_float_out: a complex input's magnitudes
+    go to a real out its real dtype can be cast to, or to a complex out of its own dtype (an
+    imaginary part of zero); otherwise out has the input's dtype (PyTorch's meta kernel wants
+    the real dtype, and says so in other words)."""
+    if x.is_complex() and not out.is_complex():
+        real = x.real.dtype
+        if not torch.can_cast(real, out.dtype):
+            raise RuntimeError(f"result type {dtype_name(real)} can't be cast to the desired "
+                               f"output type {dtype_name(out.dtype)}")
+    elif out.dtype != x.dtype:
+        raise RuntimeError(f"Found dtype {dtype_name(out.dtype)} but expected {dtype_name(x.dtype)}")
+    elif not x.is_complex():
+        return kernel_for(aten.abs.out)(x, out=out)
+    if _internal_overlap(out):
+        raise RuntimeError(_INTERNAL)
+    result = torch.abs(x)
+    if out.shape != result.shape:
+        warn_resized(out, tuple(result.shape))
+        out.resize_(result.shape)
+        if out.is_complex():  # ATen's TensorIterator lays a resized out out as the input
+            out.as_strided_(result.shape, result.stride())
+    return out.copy_(result)
+
+
+def _bucketing_out(functional):
+    """searchsorted/bucketize(out=): the functional op's checks, then ATen's of out's dtype
+    (the derived out variant would cast), out resized as resize_output does."""
+    def run(a, b, *, out_int32=False, out, **kwargs):
+        result = functional(a, b, out_int32=out_int32, **kwargs)
+        check_searchsorted_out(out, out_int32)
+        if out.shape != result.shape:
+            warn_resized(out, tuple(result.shape))
+            out.resize_(result.shape)
+        return out.copy_(result)
+    return run
+
+
+def _multilabel_margin_loss_forward(x, target, reduction):
+    """ATen's shape rules (multilabel_margin_loss_shape_check): a vector or scalar input takes
+    any target of as many elements, of at most one dim, and gives a 0-dim loss even unreduced;
+    PyTorch's decomposition wants equal shapes and gives (1,)."""
+    ndims = x.dim()
+    if not ((ndims == 2 and x.shape[1] != 0) or (ndims == 1 and x.shape[0] != 0) or ndims == 0):
+        raise RuntimeError("Expected non-empty vector or matrix with optional 0-dim batch size, "
+                           f"but got: {list(x.shape)}")
+    if ndims <= 1:
+        ok = target.dim() <= 1 and target.numel() == (x.shape[0] if ndims else 1)
+    else:
+        ok = target.dim() == 2 and target.shape == x.shape
+    if not ok:
+        raise RuntimeError(f"inconsistent target size: {list(target.shape)} for input of size: "
+                           f"{list(x.shape)}")
+    kernel = kernel_for(aten.multilabel_margin_loss_forward.default)
+    if ndims == 2:
+        return kernel(x, target, reduction)
+    loss, is_target = kernel(x.reshape(-1), target.reshape(-1), reduction)
+    return loss.reshape(()), is_target.reshape(target.shape)
+
+
+def _multi_margin_loss(x, target, p=1, margin=1, weight=None, reduction=1):
+    """ATen's shape rules (multi_margin_loss_shape_check): a vector or scalar input is one
+    sample, its target of one element of at most one dim, and the unreduced loss has the
+    target's shape; PyTorch's decomposition words its checks apart and gives (1,)."""
+    ndims = x.dim()
+    if not ((ndims == 2 and x.shape[1] != 0) or (ndims == 1 and x.shape[0] != 0) or ndims == 0):
+        raise RuntimeError("Expected non-empty vector or matrix with optional 0-dim batch size, "
+                           f"but got: {list(x.shape)}")
+    nframe, dim = (1, x.shape[0] if ndims else 1) if ndims <= 1 else tuple(x.shape)
+    if not (target.dim() <= 1 and target.numel() == nframe):
+        raise RuntimeError(
+            "multi_margin_loss: target tensor should be 1-D with size equal to the number of "
+            f"input samples (batch size). Expected target size [{nframe}], but got "
+            f"{list(target.shape)}. Input has shape {list(x.shape)}.")
+    if weight is not None and not (weight.dim() <= 1 and weight.numel() == dim):
+        raise RuntimeError(f"inconsistent weight size, expected {dim} but got {list(weight.shape)}")
+    loss = kernel_for(aten.multi_margin_loss.default)(
+        x.reshape(nframe, dim), target.reshape(nframe), p, margin,
+        None if weight is None else weight.reshape(dim), reduction)
+    if reduction == 0:
+        return loss.reshape((nframe,) if target.dim() else ())
+    return loss
+
+
+def _masked_scatter_(x, mask, source):
+    # ATen's masked_scatter_ expands the mask to self (expand_inplace): a mask broadcasting past
+    # self is refused in expand's words (the lowering broadcasts both, for masked_scatter).
+    mask.expand(x.shape)
+    return kernel_for(aten.masked_scatter_.default)(x, mask, source)
+
+
+def _shift_(overload):
+    """__ilshift__/__irshift__: ATen's TensorIterator raises its overlap and cast errors before
+    the kernel refuses the dtype (the lowering's validate), so they come first."""
+    kernel = kernel_for(overload)
+
+    def run(x, other):
+        if _internal_overlap(x):
+            raise RuntimeError(_INTERNAL)
+        if (isinstance(other, torch.Tensor) and other.device == x.device
+                and _overlap(x, other) == _PARTIAL):
+            raise RuntimeError(_BETWEEN)
+        dtype = torch.result_type(x, other)
+        if not torch.can_cast(dtype, x.dtype):
+            raise RuntimeError(f"result type {dtype_name(dtype)} can't be cast to the desired "
+                               f"output type {dtype_name(x.dtype)}")
+        return kernel(x, other)
+    return run
+
+
+def _abs_(x):
+    if x.is_complex():  # ATen's abs_ (the derived in-place variant would cast to the real dtype)
+        raise RuntimeError("In-place abs is not supported for complex tensors.")
+    return kernel_for(aten.abs_.default)(x)
 
 
 # masked_select(out=): the functional op's values decide the shape (PyTorch has no meta kernel of
@@ -222,7 +329,7 @@ def _masked_select_out(x, mask, *, out):
     if out.dtype != result.dtype:
         raise RuntimeError("masked_select(): self and result must have the same scalar type")
     if out.shape != result.shape:
-        _warn_resized(out, tuple(result.shape))
+        warn_resized(out, tuple(result.shape))
         out.resize_(result.shape)
     return out.copy_(result)
 
@@ -563,6 +670,19 @@ def kernels():
             aten.logspace.out: _space_out(torch.logspace),
             aten.nonzero.out: _nonzero_out,
             aten.masked_select.out: _masked_select_out,
+            aten.abs.out: _abs_out,
+            aten.__ilshift__.Tensor: _shift_(aten.__ilshift__.Tensor),
+            aten.__ilshift__.Scalar: _shift_(aten.__ilshift__.Scalar),
+            aten.__irshift__.Tensor: _shift_(aten.__irshift__.Tensor),
+            aten.__irshift__.Scalar: _shift_(aten.__irshift__.Scalar),
+            aten.masked_scatter_.default: _masked_scatter_,
+            aten.multi_margin_loss.default: _multi_margin_loss,
+            aten.multilabel_margin_loss_forward.default: _multilabel_margin_loss_forward,
+            aten.searchsorted.Tensor_out: _bucketing_out(torch.searchsorted),
+            aten.searchsorted.Scalar_out: _bucketing_out(torch.searchsorted),
+            aten.bucketize.Tensor_out: _bucketing_out(torch.bucketize),
+            aten.bucketize.Scalar_out: _bucketing_out(torch.bucketize),
+            aten.abs_.default: _abs_,
             aten.is_set_to.default: _is_set_to,
             aten.range.out: _range_out,
             aten._transformer_encoder_layer_fwd.default: _transformer_encoder_layer_fwd,

@@ -312,7 +312,7 @@ def make_lowering(op, decomp):
                     metas.append(_to_meta(v))
         flat_inputs = [t for t in tree_flatten([vals[k] for k, _ in tensor_pos])[0] if t is not None]
 
-        def rebuild(*tensors):
+        def rebuild(*tensors, fn=decomp):
             full = list(vals)
             it = iter(tensors)
             for k, n in tensor_pos:
@@ -323,12 +323,21 @@ def make_lowering(op, decomp):
                     kw[a.name] = v
                 else:
                     pos.append(v)
-            out = decomp(*pos, **kw)
+            out = fn(*pos, **kw)
             if out is NotImplemented:
                 raise NotImplementedError(
                     f"PyTorch's decomposition of {op} does not cover these arguments")
             return out
 
+        if any(m.numel() == 0 for m in metas if isinstance(m, torch.Tensor)):
+            # Results without elements have no values to compute (and decompositions often
+            # reshape with a -1, which an empty tensor leaves ambiguous: max_pool2d of an
+            # empty batch): their shapes and dtypes are the meta kernel's.
+            with torch.no_grad():
+                results = rebuild(*metas, fn=op)
+            flat = tree_flatten(results)[0]
+            if all(isinstance(r, torch.Tensor) and r.numel() == 0 for r in flat):
+                return tree_map(lambda r: jnp.zeros(tuple(r.shape), to_jax_dtype(r.dtype)), results)
         with torch.no_grad():
             gm = make_fx(rebuild, decomposition_table=_decompositions_for_tracing(),
                          tracing_mode="real")(*metas)

@@ -45,7 +45,21 @@ def embedding_renorm(weight, indices, max_norm, norm_type):
 
 
 # --- embedding_bag -----------------------------------------------------------------------------
-@lowering("aten::_embedding_bag.default", "aten::_embedding_bag_forward_only.default")
+def _check_embedding_bag(weight, indices, offsets, *rest):
+    # The CPU kernel's first checks (PyTorch's meta kernel has none of them)
+    if indices.dim() not in (1, 2):
+        raise RuntimeError(f"input has to be a 1D or 2D Tensor, but got Tensor of dimension "
+                           f"{indices.dim()}")
+    if indices.dim() == 1 and offsets.dim() != 1:
+        raise RuntimeError(f"offsets has to be a 1D Tensor, but got Tensor of dimension "
+                           f"{offsets.dim()}")
+    if weight.dim() != 2:
+        raise RuntimeError(f"weight has to be a 2D Tensor, but got Tensor of dimension "
+                           f"{weight.dim()}")
+
+
+@lowering("aten::_embedding_bag.default", "aten::_embedding_bag_forward_only.default",
+          validate=_check_embedding_bag)
 def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
                   per_sample_weights=None, include_last_offset=False, padding_idx=-1):
     n, dim = indices.shape[0], weight.shape[1]
@@ -68,7 +82,9 @@ def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sp
         at_best = valid[:, None] & (rows == best[segment.clip(0, bags - 1)])
         first = jax.ops.segment_min(jnp.where(at_best, jnp.arange(n)[:, None], n), segment,
                                     bags + 1)[:bags]
-        max_indices = jnp.where(count[:, None] > 0, indices[jnp.clip(first, 0, max(n - 1, 0))], -1)
+        # (an empty bag's index is 0, as on the CPU; its gradient goes nowhere: bag_size is 0)
+        picked = indices[jnp.clip(first, 0, n - 1)] if n else jnp.zeros((bags, dim), indices.dtype)
+        max_indices = jnp.where(count[:, None] > 0, picked, 0)
         out = jnp.where(count[:, None] > 0, best, 0)
     else:
         out = jax.ops.segment_sum(jnp.where(valid[:, None], rows, 0), segment, bags + 1)[:bags]

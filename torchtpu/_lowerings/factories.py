@@ -216,7 +216,39 @@ def native_dropout(key, x, p, train=None):
     return jnp.where(keep, x / (1.0 - p), 0).astype(x.dtype), keep
 
 
-@lowering("aten::exponential_.default", random=True, fill=True)
+def _check_parameter(op, name, ok):
+    """The CPU's check of a random fill's parameter (before its dtype's): shape inference runs
+    once per shape and dtype, so a meta kernel's check would not see the next call's values."""
+    def check_value(x, value):
+        if not ok(value):
+            raise RuntimeError(f"{op}_ expects {name}, but {'got' if op == 'geometric' else 'found'}"
+                               f" {name.split()[0]}={value:g}")
+    return check_value
+
+
+def _check_floating(distribution, type_name):
+    def check_dtype(x):
+        if not x.dtype.is_floating_point:
+            raise RuntimeError(f"{distribution} distribution is a continuous probability "
+                               f"distribution. dtype must be a floating point but you specified "
+                               f"{type_name(x.dtype)}")
+    return check_dtype
+
+
+_check_lambda = _check_parameter("exponential", "lambda > 0.0", lambda v: v > 0)
+_check_sigma = _check_parameter("cauchy", "sigma > 0.0", lambda v: v > 0)
+_check_std_positive = _check_parameter("log_normal", "std > 0.0", lambda v: v > 0)
+_check_p_open = _check_parameter("geometric", "p to be in (0, 1)", lambda v: 0 < v < 1)
+_check_exponential_dtype = _check_floating("Exponential", dtype_name)
+_check_cauchy_dtype = _check_floating("Cauchy", c10_name)
+
+
+def _check_exponential(x, lambd=1.0, generator=None):
+    _check_lambda(x, lambd)
+    _check_exponential_dtype(x)
+
+
+@lowering("aten::exponential_.default", random=True, fill=True, validate=_check_exponential)
 def exponential_(key, x, lambd=1.0, generator=None):
     return (jax.random.exponential(key, x.shape, jnp.float32) / lambd).astype(x.dtype)
 
@@ -284,17 +316,38 @@ def normal_float_tensor(key, mean, std, generator=None):
     return jax.random.normal(key, std.shape, jnp.float32) * std + mean
 
 
-@lowering("aten::cauchy_.default", random=True, fill=True)
+def _check_cauchy(x, median=0.0, sigma=1.0, generator=None):
+    _check_sigma(x, sigma)
+    _check_cauchy_dtype(x)
+
+
+@lowering("aten::cauchy_.default", random=True, fill=True, validate=_check_cauchy)
 def cauchy_(key, x, median=0.0, sigma=1.0, generator=None):
     return (jax.random.cauchy(key, x.shape, jnp.float32) * sigma + median).astype(x.dtype)
 
 
-@lowering("aten::log_normal_.default", random=True, fill=True)
+def _check_kernel_dtype(kernel, x, ok):
+    # AT_DISPATCH's refusal, in the CPU kernel's name
+    if not ok(x.dtype):
+        raise NotImplementedError(f'"{kernel}_cpu" not implemented for {dtype_name(x.dtype)!r}')
+
+
+def _check_log_normal(x, mean=1.0, std=2.0, generator=None):
+    _check_std_positive(x, std)
+    _check_kernel_dtype("log_normal", x, lambda t: t.is_floating_point)
+
+
+def _check_geometric(x, p, generator=None):
+    _check_p_open(x, p)
+    _check_kernel_dtype("geometric", x, lambda t: not t.is_complex and t != torch.bool)
+
+
+@lowering("aten::log_normal_.default", random=True, fill=True, validate=_check_log_normal)
 def log_normal_(key, x, mean=1.0, std=2.0, generator=None):
     return jnp.exp(jax.random.normal(key, x.shape, jnp.float32) * std + mean).astype(x.dtype)
 
 
-@lowering("aten::geometric_.default", random=True, fill=True)
+@lowering("aten::geometric_.default", random=True, fill=True, validate=_check_geometric)
 def geometric_(key, x, p, generator=None):
     # The number of Bernoulli(p) trials up to the first success: ceil(log(U) / log(1 - p)).
     u = jax.random.uniform(key, x.shape, jnp.float32, jnp.finfo(jnp.float32).tiny, 1.0)

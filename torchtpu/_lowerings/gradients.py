@@ -53,15 +53,23 @@ for _name in ("softshrink", "hardshrink"):
 
 @lowering("aten::multi_margin_loss_backward.default", static=("p", "margin"))
 def multi_margin_loss_backward(grad, x, target, p, margin, weight=None, reduction=1):
-    return _input_backward(aten.multi_margin_loss.default)(grad, x, target, p, margin, weight,
-                                                           reduction)
+    # As the forward's kernel (composed_kernels): one row per sample, the unreduced loss of
+    # the target's shape.
+    rows = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
+    weight = None if weight is None else weight.reshape(-1)
+    forward = _forward(aten.multi_margin_loss.default)
+    loss, pullback = jax.vjp(
+        lambda a: forward(a, target.reshape(-1), p, margin, weight, reduction), rows)
+    return pullback(grad.astype(x.dtype).reshape(loss.shape))[0].reshape(x.shape)
 
 
 @lowering("aten::multilabel_margin_loss_backward.default")
 def multilabel_margin_loss_backward(grad, x, target, reduction, is_target):
     forward = _forward(aten.multilabel_margin_loss_forward.default)
-    _, pullback = jax.vjp(lambda a: forward(a, target, reduction)[0], x)
-    return pullback(grad.astype(x.dtype))[0]
+    # (a vector's target may be a scalar, its unreduced loss 0-dim: ATen's shape rules)
+    target = target.reshape(x.shape)
+    loss, pullback = jax.vjp(lambda a: forward(a, target, reduction)[0], x)
+    return pullback(grad.astype(x.dtype).reshape(loss.shape))[0]
 
 
 def _grid_sampler_backward(forward):
@@ -69,7 +77,9 @@ def _grid_sampler_backward(forward):
         _, pullback = jax.vjp(lambda a, g: _forward(forward)(
             a, g, interpolation_mode, padding_mode, align_corners), x, grid)
         grad_x, grad_grid = pullback(grad.astype(x.dtype))
-        return (grad_x if output_mask[0] else None), (grad_grid if output_mask[1] else None)
+        # The grid's gradient always (ATen computes it whatever the mask; PyTorch's meta kernels
+        # return it: None here left the results one short).
+        return (grad_x if output_mask[0] else None), grad_grid
     return backward
 
 

@@ -232,6 +232,10 @@ def _check_index_fill(x, dim, index, value):
     canonicalize_dim(x.dim(), dim)  # IndexError first, as the CPU
     if index.dtype != torch.int64:
         raise IndexError("index_fill_(): Expected dtype int64 for index.")
+    if not x.is_complex() and (value.is_complex() if isinstance(value, torch.Tensor)
+                               else isinstance(value, complex)):
+        raise RuntimeError("index_fill_(): Converting complex Scalar to non-complex type is not "
+                           "supported")
     if not isinstance(value, torch.Tensor):
         check_scalar_fits(value, x.dtype)
 
@@ -325,8 +329,9 @@ def index_copy(x, dim, index, source):
                 f"{size}", negative=False)
     if x.ndim == 0:
         return jnp.reshape(source, ())
-    src = jnp.moveaxis(source, dim, 0) if source.ndim else source
-    return jnp.moveaxis(jnp.moveaxis(x, dim, 0).at[index].set(src), 0, dim)
+    # (a 0-dim index or source stands for one slice, as on the CPU)
+    src = jnp.moveaxis(source, dim, 0) if source.ndim else source.reshape(1)
+    return jnp.moveaxis(jnp.moveaxis(x, dim, 0).at[index.reshape(-1)].set(src), 0, dim)
 
 
 @lowering("aten::masked_scatter.default", eager=True)
@@ -416,7 +421,37 @@ def _warn_copy(what, t):
                       "will only appear once per program.", stacklevel=_user_stacklevel())
 
 
+def check_searchsorted_args(seq, right=False, side=None, sorter=None):
+    """ATen's searchsorted_pre_check of side and sorter, in its order and words (the sorter's
+    range read on the host, as every device's kernel does)."""
+    if side is not None:
+        if side not in ("left", "right"):
+            raise RuntimeError(f"torch.searchsorted(): side can only be 'left' or 'right' but got {side}")
+        if right and side != "right":
+            raise RuntimeError(f"torch.searchsorted(): side and right can't be set to opposites, "
+                               f"got side of {side} while right was True")
+    if sorter is not None:
+        if sorter.shape != seq.shape:
+            raise RuntimeError(f"torch.searchsorted(): boundary and sorter must have the same size, "
+                               f"but got boundary tensor {list(seq.shape)}and got sorter tensor "
+                               f"{list(sorter.shape)}")
+        if sorter.dtype != torch.int64:
+            raise RuntimeError(f"torch.searchsorted(): sorter must be a tensor of long dtype but "
+                               f"got dtype {dtype_name(sorter.dtype)}")
+        if sorter.numel() and (bool((sorter < 0).any()) or bool((sorter >= sorter.shape[-1]).any())):
+            raise RuntimeError("torch.searchsorted(): sorter index out of range")
+
+
+def check_searchsorted_out(out, out_int32):
+    if out.dtype != (torch.int32 if out_int32 else torch.int64):
+        raise RuntimeError(
+            "torch.searchsorted(): output tensor's dtype is wrong, it can only be Int(int32) or "
+            "Long(int64) depending on whether out_int32 flag is True, but we got output tensor's "
+            f"dtype {dtype_name(out.dtype)} and out_int32 flag is {out_int32}")
+
+
 def _check_searchsorted(seq, values, out_int32=False, right=False, side=None, sorter=None):
+    check_searchsorted_args(seq, right, side, sorter)
     _warn_copy("input value", values)
     _warn_copy("boundary", seq)
     _warn_copy("sorter", sorter)
@@ -446,13 +481,14 @@ def searchsorted(seq, values, out_int32=False, right=False, side=None, sorter=No
     return _searchsorted(seq, values, right, side, sorter)
 
 
-def _check_searchsorted_scalar(seq, value, *rest):
+def _check_searchsorted_scalar(seq, value, out_int32=False, right=False, side=None, sorter=None):
+    check_searchsorted_args(seq, right, side, sorter)
     if seq.dim() != 1:  # (PyTorch's meta kernel fails on the scalar instead)
         raise RuntimeError(
             "torch.searchsorted(): input value can be a scalar only when boundaries tensor "
             f"dimension is 1, but we got boundaries tensor dim({seq.dim()}) and input value's "
             "dim(0) numel(1)")
-    _check_searchsorted(seq, value, *rest)
+    _check_searchsorted(seq, value, out_int32, right, side, sorter)
 
 
 @lowering("aten::searchsorted.Scalar", validate=_check_searchsorted_scalar)

@@ -68,3 +68,28 @@ def binary_cross_entropy(x, target, weight=None, reduction=1):
 def mse_loss(x, y, reduction=1):
     d = jnp.square(x - y)
     return d if reduction == 0 else jnp.mean(d) if reduction == 1 else jnp.sum(d)
+
+
+# Hand-written: PyTorch's decomposition compares every target slot with the inputs, the unused
+# ones after a -1 as well (which hold the input's first element): the CPU counts only the labels
+# before the first -1. Shapes as the decomposition's (its meta kernel's): a vector or scalar
+# input is one row, its unreduced loss of shape (1,).
+@lowering("aten::multilabel_margin_loss_forward.default")
+def multilabel_margin_loss_forward(x, target, reduction):
+    rows = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
+    labels = target.reshape(rows.shape)
+    dim = rows.shape[1]
+    idx = jnp.arange(dim)
+    end = jnp.min(jnp.where(labels == -1, idx, dim), axis=-1, keepdims=True)
+    used = idx < end  # the target slots before the first -1
+    labels = jnp.where(used, labels, 0)
+    is_target = jnp.any((labels[:, :, None] == idx) & used[:, :, None], axis=1)
+    u = jnp.take_along_axis(rows, labels, axis=-1)
+    z = jnp.maximum(1 - u[:, :, None] + rows[:, None, :], 0) / dim
+    z = jnp.where(used[:, :, None] & ~is_target[:, None, :], z, 0)
+    loss = z.sum(axis=(1, 2)).astype(x.dtype)
+    if reduction == 1:
+        loss = loss.mean()
+    elif reduction == 2:
+        loss = loss.sum()
+    return loss, is_target.astype(x.dtype).reshape(target.shape)

@@ -1,5 +1,7 @@
 """Meta kernels PyTorch lacks for ops the table lowers. PyTorch's meta kernels give every tpu
 op its output shapes and dtypes, so an op without one could not run on tpu."""
+import warnings
+
 import torch
 
 _lib = torch.library.Library("aten", "IMPL")
@@ -20,6 +22,26 @@ def _logcumsumexp(x, dim):
     return torch.empty_like(x)
 
 
+def warn_resized(out, shape):
+    if out.numel() > 0:  # ATen's resize_output warning (the Python port words it apart)
+        warnings.warn(f"An output with one or more elements was resized since it had shape "
+                      f"{list(out.shape)}, which does not match the required output shape "
+                      f"{list(shape)}. This behavior is deprecated, and in a future PyTorch "
+                      "release outputs will not be resized unless they have zero elements. You "
+                      "can explicitly reuse an out tensor t by resizing it, inplace, to zero "
+                      "elements with t.resize_(0).", stacklevel=3)
+
+
+def _logcumsumexp_out(x, dim, *, out):
+    # The CPU kernel (reached from logcumsumexp(out=), which checks the dtypes) resizes out as
+    # ATen's resize_output does, warning in its words when out had elements.
+    _logcumsumexp(x, dim)
+    if out.shape != x.shape:
+        warn_resized(out, tuple(x.shape))
+        out.resize_(x.shape)
+    return out
+
+
 def _geqrf(a):
     m, n = a.shape[-2:]
     return (torch.empty_like(a).mT.contiguous().mT,  # LAPACK's column-major result
@@ -27,6 +49,7 @@ def _geqrf(a):
 
 
 _impl("_logcumsumexp", _logcumsumexp)
+_impl("_logcumsumexp.out", _logcumsumexp_out)
 _impl("geqrf", _geqrf)
 
 

@@ -126,11 +126,23 @@ def _adaptive_avg3d_in_half(x, output_size):
 
 
 def _check_adaptive_avg_pool2d(x, output_size):
-    for d in range(1 if x.dim() == 4 else 0, x.dim()):
+    # The CPU kernel checks the spatial dims only (an empty batch or channel dim is fine).
+    for d in range(x.dim() - 2, x.dim()):
         if x.shape[d] == 0:
             raise RuntimeError(
                 "adaptive_avg_pool2d(): Expected input to have non-zero size for non-batch "
                 f"dimensions, but input has sizes {list(x.shape)} with dimension {d} being empty")
+
+
+def _check_nonempty(op, name):
+    """The CPU's check of the dims after the first (PyTorch's meta kernels word it apart)."""
+    def check(x, *rest):
+        for d in range(1, x.dim()):
+            if x.shape[d] == 0:
+                raise RuntimeError(
+                    f"{op}(): Expected {name} to have non-zero size for non-batch dimensions, "
+                    f"but {name} has sizes {list(x.shape)} with dimension {d} being empty")
+    return check
 
 
 @lowering("aten::_adaptive_avg_pool2d.default", validate=_check_adaptive_avg_pool2d)
@@ -152,13 +164,13 @@ def adaptive_avg_pool3d(x, output_size):
     return _adaptive_avg(x, output_size, 3)
 
 
-@lowering("aten::_adaptive_avg_pool2d_backward.default")
+@lowering("aten::_adaptive_avg_pool2d_backward.default", validate=_check_nonempty("adaptive_avg_pool2d_backward", "grad_output"))
 def adaptive_avg_pool2d_backward(grad, x):
     f = lambda v: _adaptive_avg(v, grad.shape[-2:], 2)
     return jax.vjp(f, x)[1](grad.astype(x.dtype))[0]
 
 
-@lowering("aten::_adaptive_avg_pool3d_backward.default")
+@lowering("aten::_adaptive_avg_pool3d_backward.default", validate=_check_nonempty("adaptive_avg_pool3d_backward", "grad_output"))
 def adaptive_avg_pool3d_backward(grad, x):
     f = lambda v: _adaptive_avg(v, grad.shape[-3:], 3)
     return jax.vjp(f, x)[1](grad.astype(x.dtype))[0]
@@ -170,6 +182,8 @@ def _scatter_by_indices(grad, x, indices, nd):
     lead = x.shape[: x.ndim - nd]
     n_sp = int(np.prod(x.shape[x.ndim - nd:]))
     b = int(np.prod(lead)) if lead else 1
+    if x.size == 0 or grad.size == 0:  # nothing to scatter (an empty batch, an empty output)
+        return jnp.zeros(x.shape, grad.dtype)
     g = grad.reshape(b, -1)
     idx = indices.reshape(b, -1)
     rows = jnp.arange(b)[:, None]
@@ -177,12 +191,12 @@ def _scatter_by_indices(grad, x, indices, nd):
     return out.reshape(x.shape)
 
 
-@lowering("aten::adaptive_max_pool2d_backward.default")
+@lowering("aten::adaptive_max_pool2d_backward.default", validate=_check_nonempty("adaptive_max_pool2d_backward", "grad_output"))
 def adaptive_max_pool2d_backward(grad, x, indices):
     return _scatter_by_indices(grad, x, indices, 2)
 
 
-@lowering("aten::adaptive_max_pool3d_backward.default")
+@lowering("aten::adaptive_max_pool3d_backward.default", validate=_check_nonempty("adaptive_max_pool3d_backward", "grad_output"))
 def adaptive_max_pool3d_backward(grad, x, indices):
     return _scatter_by_indices(grad, x, indices, 3)
 
@@ -205,6 +219,9 @@ def _adaptive_windows(n_in, n_out):
 def _adaptive_max(x, output_size, nd):
     """Max over each adaptive window, with the flat spatial index of the (first) maximum."""
     lead = x.ndim - nd
+    if x.size == 0 or 0 in output_size:  # an empty result (an empty batch, an output size 0)
+        shape = x.shape[:lead] + tuple(output_size)
+        return jnp.zeros(shape, x.dtype), jnp.zeros(shape, jnp.int64)
     spatial = x.shape[lead:]
     vals = x
     flat_idx = np.zeros((), np.int64)
@@ -243,12 +260,12 @@ def _adaptive_max(x, output_size, nd):
     return out, idx.astype(jnp.int64)
 
 
-@lowering("aten::adaptive_max_pool2d.default")
+@lowering("aten::adaptive_max_pool2d.default", validate=_check_nonempty("adaptive_max_pool2d", "input"))
 def adaptive_max_pool2d(x, output_size):
     return _adaptive_max(x, output_size, 2)
 
 
-@lowering("aten::adaptive_max_pool3d.default")
+@lowering("aten::adaptive_max_pool3d.default", validate=_check_nonempty("adaptive_max_pool3d", "input"))
 def adaptive_max_pool3d(x, output_size):
     return _adaptive_max(x, output_size, 3)
 
@@ -270,7 +287,7 @@ def _fractional_max_pool(x, kernel_size, output_size, samples):
     if not batched:
         x = x[None]
     nd = len(kernel_size)
-    if x.size == 0:
+    if x.size == 0 or 0 in output_size:
         shape = x.shape[:2] + tuple(output_size)
         empty = jnp.zeros(shape if batched else shape[1:], x.dtype)
         return empty, empty.astype(jnp.int64)
@@ -309,7 +326,7 @@ def _fractional_max_pool(x, kernel_size, output_size, samples):
 def _fractional_backward(grad, x, kernel_size, indices):
     """Each output's gradient goes to the input element its window's maximum came from."""
     nd = len(kernel_size)
-    if x.size == 0:
+    if x.size == 0 or grad.size == 0:
         return jnp.zeros(x.shape, grad.dtype)
     planes = x.shape[:x.ndim - nd]
     size = int(np.prod(x.shape[x.ndim - nd:]))
@@ -319,12 +336,51 @@ def _fractional_backward(grad, x, kernel_size, indices):
     return out.reshape(x.shape)
 
 
-@lowering("aten::fractional_max_pool2d.default")
+def _check_fractional(nd):
+    """ATen's checks of fractional_max_pool{2,3}d, in its words and order: its meta function's
+    (PyTorch's Python meta kernels word them apart), then the kernel's of the samples."""
+    name = f"fractional_max_pool{nd}d"
+    where = "fractional_max_pool2d()" if nd == 2 else "fractional_max_pool3d_out()"
+    ints = "Ints" if nd == 2 else "three Ints"
+    axes = ("height", "width") if nd == 2 else ("time", "height", "width")
+
+    def check(x, kernel_size, output_size, samples):
+        for arg, size in (("kernel_size", kernel_size), ("output_size", output_size)):
+            if len(size) != nd:
+                raise RuntimeError(f"{name}: {arg} must either be a single Int or tuple of {ints}")
+        if x.dim() not in (nd + 1, nd + 2):
+            raise RuntimeError(f"{where}: Expected {nd + 1}D or {nd + 2}D tensor, but got: "
+                               f"{list(x.shape)}")
+        for i in range(1, x.dim()):
+            if x.shape[i] == 0:
+                raise RuntimeError(f"{where}: Expected input to have non-zero size for non-batch "
+                                   f"dimensions, but got{list(x.shape)} with dimension {i} being "
+                                   "empty.")
+        for axis, out, pool, n in zip(axes, output_size, kernel_size, x.shape[-nd:]):
+            if out + pool - 1 > n:
+                raise RuntimeError(f"{where}: pool {axis} {pool} too large relative to input "
+                                   f"{axis} {n}")
+        if samples.dtype != x.dtype:
+            raise RuntimeError("Expect _random_samples to have the same dtype as input")
+        if samples.dim() != 3:
+            raise RuntimeError(f"Expect _random_samples to have 3 dimensions, got {samples.dim()}")
+        batch, channels = (1, x.shape[0]) if x.dim() == nd + 1 else x.shape[:2]
+        if samples.shape[0] < batch:
+            raise RuntimeError("Expect _random_samples.size(0) no less then input batch size.")
+        if samples.shape[1] != channels:
+            raise RuntimeError("Expect _random_samples.size(1) equals to input channel size.")
+        if samples.shape[2] != nd:
+            raise RuntimeError(f"Expect _random_samples.size(2) equals to {nd}; got "
+                               f"{samples.shape[2]}.")
+    return check
+
+
+@lowering("aten::fractional_max_pool2d.default", validate=_check_fractional(2))
 def fractional_max_pool2d(x, kernel_size, output_size, random_samples):
     return _fractional_max_pool(x, kernel_size, output_size, random_samples)
 
 
-@lowering("aten::fractional_max_pool3d.default")
+@lowering("aten::fractional_max_pool3d.default", validate=_check_fractional(3))
 def fractional_max_pool3d(x, kernel_size, output_size, random_samples):
     return _fractional_max_pool(x, kernel_size, output_size, random_samples)
 

@@ -37,7 +37,7 @@ def _meta_error(name, args):
     return None
 
 
-def _refusing(previous, name, kinds, arity, exc, empty):
+def _refusing(previous, name, kinds, arity, exc, empty, kernel=None):
     def validate(*args):
         if previous is not None:
             previous(*args)
@@ -49,7 +49,7 @@ def _refusing(previous, name, kinds, arity, exc, empty):
         dtype = operands[0].dtype if len(operands) == 1 else elementwise_dtypes(
             *operands, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)[1]
         if _kind(dtype) in kinds or dtype in kinds:
-            op = name.split("::")[1].split(".")[0]
+            op = kernel or name.split("::")[1].split(".")[0]
             raise _meta_error(name, args) or exc(f'"{op}" not implemented for \'{dtype_name(dtype)}\'')
     return validate
 
@@ -75,14 +75,15 @@ def _also(name, check):
     low.validate = validate
 
 
-def refuse(kinds, *names, arity=1, exc=NotImplementedError, empty=True):
+def refuse(kinds, *names, arity=1, exc=NotImplementedError, empty=True, kernel=None):
     """The lowerings of `names` (aten overloads) refuse `kinds` of dtype ("bool", "int",
     "float", "complex", or a torch dtype), as the CPU does, after its shape checks;
     `arity` leading arguments decide the dtype (promoted together); empty=False: a kernel that
-    returns before looking at the dtype when its input is empty."""
+    returns before looking at the dtype when its input is empty; `kernel`: the name the CPU's
+    message gives (the op's by default)."""
     lowerings = {id(low): (low, n) for n in names if (low := _lowering(n)) is not None}
     for low, name in lowerings.values():
-        low.validate = _refusing(low.validate, name, kinds, arity, exc, empty)
+        low.validate = _refusing(low.validate, name, kinds, arity, exc, empty, kernel)
 
 
 refuse(("bool",), "aten::abs.default", "aten::floor.default", "aten::ceil.default",
@@ -99,11 +100,12 @@ refuse(("complex",), "aten::atan2.default", "aten::xlogy.Tensor", "aten::lt.Tens
 refuse(("complex",), "aten::heaviside.default", "aten::fmax.default", "aten::fmin.default",
        arity=2, exc=RuntimeError)
 refuse(("bool", "int", "complex"), "aten::hypot.default", arity=2)
-refuse(("bool", "float", "complex"),
-       *(f"aten::{op}.{ov}" for op in ("bitwise_left_shift", "bitwise_right_shift")
-         for ov in ("Tensor", "Tensor_Scalar")),
-       *(f"aten::{op}.{ov}" for op in ("__lshift__", "__rshift__", "__ilshift__", "__irshift__")
-         for ov in ("Tensor", "Scalar")), arity=2)
+for _direction in ("left", "right"):  # the CPU kernels' names: lshift_cpu, rshift_cpu
+    _op = _direction[0] + "shift"
+    refuse(("bool", "float", "complex"), f"aten::bitwise_{_direction}_shift.Tensor",
+           f"aten::bitwise_{_direction}_shift.Tensor_Scalar", f"aten::__{_op}__.Tensor",
+           f"aten::__{_op}__.Scalar", f"aten::__i{_op}__.Tensor", f"aten::__i{_op}__.Scalar",
+           arity=2, kernel=f"{_op}_cpu")
 refuse(("bool", "int"), "aten::lerp.Scalar", "aten::lerp.Tensor")
 refuse(("complex",), "aten::clamp.default", "aten::clamp.Tensor", "aten::clamp_min.default",
        "aten::clamp_min.Tensor", "aten::clamp_max.default", "aten::clamp_max.Tensor")
@@ -157,8 +159,10 @@ def _check_repeated_dims(x, dim=None, *rest):
 
 for _name in ("sum.dim_IntList", "mean.dim", "amax.default", "amin.default", "nansum.default",
               "var.correction", "std.correction", "var_mean.correction", "std_mean.correction",
-              "logsumexp.default", "any.dims", "all.dims"):
+              "logsumexp.default", "any.dims", "all.dims", "count_nonzero.dim_IntList"):
     _also("aten::" + _name, _check_repeated_dims)
+for _name in ("linalg_vector_norm.default", "norm.ScalarOpt_dim", "norm.ScalarOpt_dim_dtype"):
+    _also("aten::" + _name, lambda x, ord=2, dim=None, *rest: _check_repeated_dims(x, dim))
 
 
 def _check_kthvalue(x, k, dim=-1, keepdim=False):

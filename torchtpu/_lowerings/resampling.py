@@ -152,16 +152,38 @@ def _grid_sample(x, grid, interpolation_mode, padding_mode, align_corners):
     return out.astype(x.dtype)
 
 
-@lowering("aten::grid_sampler_2d.default")
-def grid_sampler_2d(x, grid, interpolation_mode, padding_mode, align_corners):
+def _check_grid_sampler(nd):
+    """ATen's check_grid_sampler_common, then its check of the rank, in its order and words
+    (PyTorch's Python meta kernels word them apart, or unpack the wrong rank)."""
+    def check(x, grid, interpolation_mode, *rest):
+        sizes = f"input with sizes {list(x.shape)} and grid with sizes {list(grid.shape)}"
+        if x.dim() and grid.dim() and x.shape[0] != grid.shape[0]:
+            raise RuntimeError("grid_sampler(): expected grid and input to have same batch size, "
+                               f"but got {sizes}")
+        if grid.dim() and grid.shape[-1] != x.dim() - 2:
+            raise RuntimeError(f"grid_sampler(): expected grid to have size {x.dim() - 2} in last "
+                               f"dimension, but got grid with sizes {list(grid.shape)}")
+        for i in range(2, x.dim()):
+            if x.shape[i] == 0:
+                raise RuntimeError("grid_sampler(): expected input to have non-empty spatial "
+                                   f"dimensions, but input has sizes {list(x.shape)} with "
+                                   f"dimension {i} being empty")
+        if not (x.dim() == nd + 2 and grid.dim() == x.dim()):
+            raise RuntimeError(f"grid_sampler(): expected {nd + 2}D input and grid with same number "
+                               f"of dimensions, but got {sizes}")
+        if nd == 3 and interpolation_mode not in (0, 1):
+            raise RuntimeError("grid_sampler(): bicubic interpolation only supports 4D input")
+    return check
+
+
+def _grid_sampler(x, grid, interpolation_mode, padding_mode, align_corners):
+    if x.size == 0 or grid.size == 0:  # an empty batch or no channels: nothing to sample
+        return jnp.zeros(x.shape[:2] + grid.shape[1:-1], x.dtype)
     return _grid_sample(x, grid, interpolation_mode, padding_mode, align_corners)
 
 
-@lowering("aten::grid_sampler_3d.default")
-def grid_sampler_3d(x, grid, interpolation_mode, padding_mode, align_corners):
-    if interpolation_mode not in (0, 1):
-        raise RuntimeError("grid_sampler(): bicubic interpolation only supports 4D input")
-    return _grid_sample(x, grid, interpolation_mode, padding_mode, align_corners)
+lowering("aten::grid_sampler_2d.default", validate=_check_grid_sampler(2))(_grid_sampler)
+lowering("aten::grid_sampler_3d.default", validate=_check_grid_sampler(3))(_grid_sampler)
 
 
 # --- linear upsampling: PyTorch's CPU kernel (weights per output index, then a weighted sum) ---
