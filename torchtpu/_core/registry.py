@@ -255,7 +255,7 @@ def deprecated(message, validate=None):
     def hook(*args):
         if not warned or torch.is_warn_always_enabled():
             warned.append(True)
-            warnings.warn(message, UserWarning, stacklevel=_user_stacklevel())
+            warnings.warn(message, UserWarning, stacklevel=user_stacklevel())
         if validate is not None:
             validate(*args)
     return hook
@@ -264,7 +264,7 @@ def deprecated(message, validate=None):
 _INTERNAL = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
 
 
-def _user_stacklevel():
+def user_stacklevel():
     """warnings.warn's stacklevel naming the innermost caller outside torch and torchtpu."""
     level, f = 2, sys._getframe(2)
     while f is not None and f.f_code.co_filename.startswith(_INTERNAL):

@@ -110,6 +110,18 @@ def _forget_devices():
     _devices = None
 
 
+def started():
+    """Whether the devices were asked for (the runtime started)."""
+    return _devices is not None
+
+
+def forget():
+    """Forget the platform and its devices: the runtime was shut down, and the next use
+    chooses and starts anew (_distributed/launch.py, before JAX's distributed runtime)."""
+    global _devices, _platform
+    _devices = _platform = None
+
+
 # A forked child of a started runtime: torch.tpu.* queries restart it, which raises there.
 torchtpu_autoload.on_bad_fork(_forget_devices)
 

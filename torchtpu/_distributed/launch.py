@@ -73,7 +73,7 @@ def _shut_down_runtime():
     from .._execution import fused, kernels
     kernels.clear_caches()  # executables built for the old runtime's devices
     fused.clear_cache()
-    runtime._devices = runtime._platform = None
+    runtime.forget()
     from jax._src import api, xla_bridge
     if hasattr(api, "clear_backends"):  # private since JAX 0.4.36 (public jax.clear_backends gone)
         api.clear_backends()

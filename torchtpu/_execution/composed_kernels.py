@@ -11,12 +11,13 @@ import torch.nn.functional as F
 from .._core import metrics, runtime
 from .._core.dtypes import to_torch_dtype
 from .._lowerings import attention
-from .._lowerings.batch_norm import _stats_dtype
-from .._lowerings.factories import _check_arange
+from .._lowerings.batch_norm import stats_dtype
+from .._lowerings.factories import check_arange
 from .._lowerings.indexing import check_searchsorted_out
 from .._lowerings.meta import c10_name, dtype_name, warn_resized
 from . import growing_sequences, recording
-from .overlap import _BETWEEN, _INTERNAL, _PARTIAL, _internal_overlap, _overlap
+from .overlap import (BETWEEN_MESSAGE, INTERNAL_MESSAGE, PARTIAL, internal_overlap,
+                      overlap_between)
 from .kernels import kernel_for
 
 aten = torch.ops.aten
@@ -28,7 +29,7 @@ def _saved_dtype(x, *params):
     """The dtype of the statistics PyTorch's CPU kernels return, those they compute in
     (PyTorch's meta kernels, which fix the table ops' output dtypes, say float32 for any
     half-precision input, as on CUDA)."""
-    return to_torch_dtype(_stats_dtype(x, *params))
+    return to_torch_dtype(stats_dtype(x, *params))
 
 
 def _no_stats(x, weight, bias, training, momentum, eps):
@@ -110,7 +111,7 @@ def _rrelu_with_noise_(x, noise, lower=1.0 / 8, upper=1.0 / 3, training=False, g
 # fill it in order (a (2, 2) view stays a (2, 2) view); the meta kernel, like other ops', would
 # resize it to one dimension.
 def _arange_out(start, end, step=1, *, out):
-    _check_arange(start, end, step, out.dtype)
+    check_arange(start, end, step, out.dtype)
     n = torch.arange(start, end, step, dtype=out.dtype, device="meta").numel()
     kernel = kernel_for(aten.arange.start_out)
     if out.numel() != n:  # the CPU kernel's own warning, then a plain resize
@@ -166,8 +167,8 @@ def _space_out(functional):
         if out.numel() != steps:
             out.resize_(0)
             out.resize_(steps)
-        elif _internal_overlap(out):
-            raise RuntimeError(_INTERNAL)
+        elif internal_overlap(out):
+            raise RuntimeError(INTERNAL_MESSAGE)
         return out.copy_(result.view(out.shape))
     return run
 
@@ -220,8 +221,8 @@ def _abs_out(x, *, out):
         raise RuntimeError(f"Found dtype {dtype_name(out.dtype)} but expected {dtype_name(x.dtype)}")
     elif not x.is_complex():
         return kernel_for(aten.abs.out)(x, out=out)
-    if _internal_overlap(out):
-        raise RuntimeError(_INTERNAL)
+    if internal_overlap(out):
+        raise RuntimeError(INTERNAL_MESSAGE)
     result = torch.abs(x)
     if out.shape != result.shape:
         warn_resized(out, tuple(result.shape))
@@ -303,11 +304,11 @@ def _shift_(overload):
     kernel = kernel_for(overload)
 
     def run(x, other):
-        if _internal_overlap(x):
-            raise RuntimeError(_INTERNAL)
+        if internal_overlap(x):
+            raise RuntimeError(INTERNAL_MESSAGE)
         if (isinstance(other, torch.Tensor) and other.device == x.device
-                and _overlap(x, other) == _PARTIAL):
-            raise RuntimeError(_BETWEEN)
+                and overlap_between(x, other) == PARTIAL):
+            raise RuntimeError(BETWEEN_MESSAGE)
         dtype = torch.result_type(x, other)
         if not torch.can_cast(dtype, x.dtype):
             raise RuntimeError(f"result type {dtype_name(dtype)} can't be cast to the desired "

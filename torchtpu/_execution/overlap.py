@@ -36,12 +36,14 @@ _UNTAGGED_POINTWISE = {"aten::hardswish"}
 # is harmless, so an expanded tensor may be thresholded in place).
 _UNCHECKED = {"aten::threshold_"}
 
-_INTERNAL = ("unsupported operation: more than one element of the written-to tensor refers to a "
-             "single memory location. Please clone() the tensor before performing the operation.")
-_BETWEEN = ("unsupported operation: some elements of the input tensor and the written-to tensor "
-            "refer to a single memory location. Please clone() the tensor before performing the "
-            "operation.")
-_NONE, _PARTIAL, _FULL = range(3)
+# ATen's words for a written tensor overlapping itself, and overlapping an input
+INTERNAL_MESSAGE = ("unsupported operation: more than one element of the written-to tensor "
+                    "refers to a single memory location. Please clone() the tensor before "
+                    "performing the operation.")
+BETWEEN_MESSAGE = ("unsupported operation: some elements of the input tensor and the written-to "
+                   "tensor refer to a single memory location. Please clone() the tensor before "
+                   "performing the operation.")
+NONE, PARTIAL, FULL = range(3)  # how two tensors overlap (overlap_between)
 
 
 def check(kernel, vals, resized):
@@ -62,14 +64,14 @@ def check(kernel, vals, resized):
                    if isinstance(t, torch.Tensor) and t.device.type == "tpu"]
         (written if a.is_write else read).extend(tensors)
     for w in written:
-        if _internal_overlap(w):
-            raise RuntimeError(_INTERNAL)
+        if internal_overlap(w):
+            raise RuntimeError(INTERNAL_MESSAGE)
         if name in _OUTPUT_ONLY:
             continue
         for r in read:
-            status = _overlap(w, r)
-            if status == _PARTIAL or (status == _FULL and name in _NO_OVERLAP):
-                raise RuntimeError(_BETWEEN)
+            status = overlap_between(w, r)
+            if status == PARTIAL or (status == FULL and name in _NO_OVERLAP):
+                raise RuntimeError(BETWEEN_MESSAGE)
 
 
 def _elementwise(kernel):
@@ -82,24 +84,24 @@ def _elementwise(kernel):
             or functional._schema.name in _UNTAGGED_POINTWISE)
 
 
-def _internal_overlap(t):
+def internal_overlap(t):
     if is_non_overlapping_and_dense(t):
         return False
     return any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride()))
 
 
-def _overlap(a, b):
+def overlap_between(a, b):
     if a is b:
-        return _FULL
+        return FULL
     if a.numel() == 0 or b.numel() == 0:
-        return _NONE
+        return NONE
     if not (is_non_overlapping_and_dense(a) and is_non_overlapping_and_dense(b)):
-        return _NONE  # ATen: too hard to tell, allowed
+        return NONE  # ATen: too hard to tell, allowed
     if a.untyped_storage()._tpu is not b.untyped_storage()._tpu:
-        return _NONE
+        return NONE
     a_begin = a.storage_offset() * a.element_size()
     b_begin = b.storage_offset() * b.element_size()
     a_end, b_end = a_begin + a.numel() * a.element_size(), b_begin + b.numel() * b.element_size()
     if a_begin == b_begin and a_end == b_end:
-        return _FULL if a.stride() == b.stride() else _PARTIAL
-    return _PARTIAL if a_begin < b_end and b_begin < a_end else _NONE
+        return FULL if a.stride() == b.stride() else PARTIAL
+    return PARTIAL if a_begin < b_end and b_begin < a_end else NONE

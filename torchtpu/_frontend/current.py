@@ -27,7 +27,7 @@ def _indexed(device):
 
 
 def tensor_to(self, *args, **kwargs):
-    if runtime._current[0]:  # device 0 is what PyTorch assumes already
+    if runtime.current_device():  # device 0 is what PyTorch assumes already
         if args:
             args = (_indexed(args[0]),) + args[1:]
         if "device" in kwargs:

@@ -45,7 +45,7 @@ def is_available():
 
 
 def is_initialized():
-    return runtime._devices is not None
+    return runtime.started()
 
 
 def init():

@@ -25,7 +25,7 @@ def _per_channel(v, x):
     return v.reshape((1, -1) + (1,) * (x.ndim - 2))
 
 
-def _stats_dtype(x, *params):
+def stats_dtype(x, *params):
     """The (JAX) dtype PyTorch's CPU kernel keeps statistics in: a half-precision input's own
     type, unless some parameter is float32 ("mixed type"), then float32.  Takes arrays, or on
     the host tensors."""
@@ -71,7 +71,7 @@ def batch_norm_functional(x, weight, bias, running_mean, running_var, training, 
         out, mean, invstd = batch_norm_no_training(x, weight, bias, running_mean, running_var,
                                                    momentum, eps)
         return out, mean, invstd, running_mean, running_var
-    sdt = _stats_dtype(x, weight, bias, running_mean, running_var)
+    sdt = stats_dtype(x, weight, bias, running_mean, running_var)
     mean, var_sum, invstd = _batch_stats(x, eps, sdt)
     n = x.size // x.shape[1]
     rm, rv = running_mean.astype(mean.dtype), running_var.astype(mean.dtype)
@@ -95,7 +95,7 @@ def batch_norm_functional(x, weight, bias, running_mean, running_var, training, 
 
 @lowering("aten::_native_batch_norm_legit.no_stats")
 def batch_norm_no_stats(x, weight, bias, training, momentum, eps):
-    sdt = _stats_dtype(x, weight, bias)
+    sdt = stats_dtype(x, weight, bias)
     mean, _, invstd = _batch_stats(x, eps, sdt)
     mean = round_to(mean, sdt)
     return _normalise(x, mean, invstd, weight, bias), mean, invstd

@@ -14,7 +14,7 @@ from .._core.registry import check, lowering
 from .meta import c10_name, dtype_name
 
 
-def _check_arange(start, end, step=1, dtype=None, *rest):
+def check_arange(start, end, step=1, dtype=None, *rest):
     if not all(math.isfinite(v) for v in (start, end)):
         raise RuntimeError(f"unsupported range: {start:g} -> {end:g}")
     if step and (end - start) / step > 2.0 ** 63:  # the CPU kernel's bound: int64's range
@@ -24,7 +24,7 @@ def _check_arange(start, end, step=1, dtype=None, *rest):
 
 
 @lowering("aten::arange.start_step", "aten::arange.start_out", static=("start", "end", "step"),
-          validate=_check_arange)
+          validate=check_arange)
 def arange(start, end, step=1, dtype=None, layout=None, device=None, pin_memory=None):
     # Boolean bounds count as integers (XLA has no boolean iota); the output takes the op's dtype.
     start, end, step = (int(v) if isinstance(v, bool) else v for v in (start, end, step))

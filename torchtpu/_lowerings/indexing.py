@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch._prims_common import canonicalize_dim
 
-from .._core.registry import _user_stacklevel, check, lowering
+from .._core.registry import user_stacklevel, check, lowering
 from .._core.dtypes import check_scalar_fits, to_torch_dtype
 from .meta import dtype_name
 
@@ -418,7 +418,7 @@ def _warn_copy(what, t):
         warnings.warn(f"torch.searchsorted(): {what} tensor is non-contiguous, this will lower the "
                       "performance due to extra data copy when converting non-contiguous tensor to "
                       f"contiguous, please use contiguous {what} tensor if possible. This message "
-                      "will only appear once per program.", stacklevel=_user_stacklevel())
+                      "will only appear once per program.", stacklevel=user_stacklevel())
 
 
 def check_searchsorted_args(seq, right=False, side=None, sorter=None):
