@@ -245,14 +245,20 @@ def _bucketing_out(functional):
     return run
 
 
-def _multilabel_margin_loss_forward(x, target, reduction):
-    """ATen's shape rules (multilabel_margin_loss_shape_check): a vector or scalar input takes
-    any target of as many elements, of at most one dim, and gives a 0-dim loss even unreduced;
-    PyTorch's decomposition wants equal shapes and gives (1,)."""
+def _margin_loss_input_dims(x):
+    """x's dims, after the margin losses' shared input check (ATen's words)."""
     ndims = x.dim()
     if not ((ndims == 2 and x.shape[1] != 0) or (ndims == 1 and x.shape[0] != 0) or ndims == 0):
         raise RuntimeError("Expected non-empty vector or matrix with optional 0-dim batch size, "
                            f"but got: {list(x.shape)}")
+    return ndims
+
+
+def _multilabel_margin_loss_forward(x, target, reduction):
+    """ATen's shape rules (multilabel_margin_loss_shape_check): a vector or scalar input takes
+    any target of as many elements, of at most one dim, and gives a 0-dim loss even unreduced;
+    PyTorch's decomposition wants equal shapes and gives (1,)."""
+    ndims = _margin_loss_input_dims(x)
     if ndims <= 1:
         ok = target.dim() <= 1 and target.numel() == (x.shape[0] if ndims else 1)
     else:
@@ -271,10 +277,7 @@ def _multi_margin_loss(x, target, p=1, margin=1, weight=None, reduction=1):
     """ATen's shape rules (multi_margin_loss_shape_check): a vector or scalar input is one
     sample, its target of one element of at most one dim, and the unreduced loss has the
     target's shape; PyTorch's decomposition words its checks apart and gives (1,)."""
-    ndims = x.dim()
-    if not ((ndims == 2 and x.shape[1] != 0) or (ndims == 1 and x.shape[0] != 0) or ndims == 0):
-        raise RuntimeError("Expected non-empty vector or matrix with optional 0-dim batch size, "
-                           f"but got: {list(x.shape)}")
+    ndims = _margin_loss_input_dims(x)
     nframe, dim = (1, x.shape[0] if ndims else 1) if ndims <= 1 else tuple(x.shape)
     if not (target.dim() <= 1 and target.numel() == nframe):
         raise RuntimeError(
