@@ -580,6 +580,29 @@ def _scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_cau
         q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
+# --- linear of a batch of sequences ----------------------------------------------------------
+
+# PyTorch computes a Linear with a bias on a contiguous 3-D input as one addmm of the input
+# seen as rows, then views the [B*T, N] result as [B, T, N] (_flatten_nd_linear): its storage
+# keeps the 2-D shape.  On TPU the result's layout follows the storage's shape, and the views
+# every consumer reads ([B, T, H, D] heads, [B, T, N]) split its major dim: XLA:TPU chose a
+# layout for the 2-D result that took relayout copies of it and of its gradient (a GPT block's
+# forward and backward, compiled for v5e: 265 MB accessed against 211 MB for the same block
+# whose Linear is matmul + add; benchmarks/program_diff.py --target v5e:1x1).  So the result is
+# the matmul's, viewed [B, T, N], plus the bias, as PyTorch computes any other input's (and as
+# JAX's `x @ w.T + b` is written).  Half-precision inputs keep addmm: it adds the bias to the
+# float32 product and rounds once, an add would round twice (1 ulp of bfloat16 apart, beyond
+# the CPU's results).
+def _linear(input, weight, bias=None):
+    # (anything else as PyTorch computes it, its errors too: addmm refuses a bias of another
+    # dtype, which an add would promote)
+    if (bias is not None and input.dim() >= 3 and bias.dim() == 1 and weight.dim() == 2
+            and bias.shape[0] == weight.shape[0] and input.dtype == weight.dtype == bias.dtype
+            and input.dtype not in (torch.float16, torch.bfloat16)):
+        return torch.matmul(input, weight.t()) + bias
+    return aten.linear.default.decompose(input, weight, bias)
+
+
 # --- repeat_interleave with its output size given ---------------------------------------------
 
 # The output's length is given: torchtpu::repeat_interleave_sized, without a wait for the
@@ -653,7 +676,8 @@ def autograd_kernels():
     CompositeImplicitAutograd op would leave it without an autograd formula); they call ops that
     have one."""
     return {aten.scaled_dot_product_attention.default: _scaled_dot_product_attention,
-            aten._grouped_mm.default: _grouped_mm}
+            aten._grouped_mm.default: _grouped_mm,
+            aten.linear.default: _linear}
 
 
 def kernels():
