@@ -117,3 +117,37 @@ def test_a_captured_step_bakes_its_offsets_and_numbers_in():
     arrays = [b.value() for b in g.input_storages]
     text = g._segment.lower(arrays, g._scalars.for_run()).as_text()
     assert "dynamic_slice" not in text  # the chunk's second half at offset 4: a static slice
+
+
+@pytest.mark.parametrize("mode", ["DEFER_NEVER", "DEFER_AND_FUSE"])
+def test_weights_placed_by_to_empty_keep_their_shape(mode):
+    """A model built on `meta`, placed by `to_empty` and initialised in place (torchtitan's
+    way) has storages of its weights' shapes, as one built on the device has: the zeros of an
+    unwritten storage take the shape of the tensor `empty` made it for, and a storage keeps its
+    array's shape through writes (flat, every read of a weight as a matrix was a relayout copy
+    on TPU).  The abstract capture of a step (torchtpu.scaling) describes them so too."""
+    from torchtpu._core import storage
+    from torchtpu._execution import recording
+    with torch.tpu.set_eager_mode(getattr(torch.tpu.EagerMode, mode)):
+        with torch.device("meta"):
+            m = torch.nn.Linear(16, 8)
+        m = m.to_empty(device="tpu")
+        torch.nn.init.normal_(m.weight)
+        with torch.no_grad():
+            m.weight.add_(1)
+        torch.tpu.synchronize()
+        assert storage.buffer_or_none(m.weight).value().shape == (8, 16)
+        assert -6 < float(m.weight.mean()) - 1 < 6
+        with torch.device("meta"):
+            fresh = torch.nn.Linear(16, 8)
+        fresh = fresh.to_empty(device="tpu")
+        capture = recording.start_capture(torch.tpu.current_device(), by_storage=True, abstract=True)
+        try:
+            fresh(torch.ones(2, 16, device="tpu")).sum()
+        finally:
+            recorded = recording.stop_capture(*capture)
+        try:
+            shapes = {tuple(a.shape) for a in recorded.inputs}
+            assert (8, 16) in shapes and (128,) not in shapes
+        finally:
+            recorded.release()

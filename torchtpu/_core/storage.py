@@ -185,8 +185,18 @@ class DeviceBuffer:
             return a
         a = self.array
         if a is None:
-            a = self.array = zeros_for(self.nbytes, jnp.dtype(self.dtype), self.index, self.shape)
+            a = self.array = zeros_for(self.nbytes, jnp.dtype(self.dtype), self.index,
+                                       self.zeros_shape)
         return a
+
+    @property
+    def zeros_shape(self):
+        """(unwritten storages) the shape their zeros take: the tensor zeroed over the whole
+        storage, else the contiguous tensor `empty` made it for, else None (flat).  A storage
+        keeps its array's shape through writes: a model placed by `to_empty` then initialised
+        in place kept flat weights, and on TPU every read of a flat weight as a matrix is a
+        relayout copy of it (a 1.5B Llama's embedding and output, 1 GB each, six times a step)."""
+        return self.shape if self.shape is not None else self.made_as
 
 
 # Storages up to this size read as zeros through a transfer from the host, which compiles

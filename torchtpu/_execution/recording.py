@@ -259,8 +259,11 @@ def record(kernel, compiled, vals, buffers, scalars, device):
                 queued = async_compile.queued(a)
                 if queued:
                     a = async_compile.abstract(a, b)
-                elif a is None and tr.abstract:
-                    a = jax.ShapeDtypeStruct((b.nbytes // np.dtype(b.dtype).itemsize,), b.dtype)
+                elif a is None and tr.abstract:  # (the shape its zeros would take)
+                    n = b.nbytes // np.dtype(b.dtype).itemsize
+                    shape = b.zeros_shape
+                    a = jax.ShapeDtypeStruct(
+                        tuple(shape) if shape is not None and math.prod(shape) == n else (n,), b.dtype)
                 else:
                     a = b.value()
             k = tr.ext_ids.get(ident)
@@ -451,7 +454,8 @@ def _settle_zeros(tr):
     for k, (ref, zeros, readers, shape, made_as) in tr.unwritten.items():
         if ref() is not None and not tr.captured:
             dtype = np.dtype(zeros[1])
-            tr.ext_arrays[k] = storage.zeros_for(zeros[0] * dtype.itemsize, dtype, tr.device, shape)
+            tr.ext_arrays[k] = storage.zeros_for(zeros[0] * dtype.itemsize, dtype, tr.device,
+                                                 shape or made_as)
         else:
             tr.ext_arrays[k] = _placeholder(zeros[1], tr.device)
             shape = shape or made_as
