@@ -358,9 +358,18 @@ def test_multiple_devices_and_cross_device_copies():
         assert a.device == torch.device("tpu", 2)
         b = (a * 2).to("tpu:3")
         assert b.device.index == 3 and b.cpu().tolist() == [[0, 2, 4], [6, 8, 10]]
+        from torchtpu._core import storage
         with torch.tpu.device(1):
             c = torch.ones(2, device="tpu")
             assert c.device.index == 1
+            # its array on that device too, also where the fill reads nothing of its input
+            # (a whole storage: its program's results were placed on the default device)
+            for t in (c, torch.ones(3, 5, device="tpu"), torch.full((4, 4), 2.0, device="tpu")):
+                assert storage.buffer_or_none(t).value().devices() == {torchtpu._core.runtime.jax_device(1)}
+            with torch.tpu.set_eager_mode("DEFER_AND_FUSE"):
+                f = torch.empty(3, 5, device="tpu").fill_(2.0)
+                torch.tpu.synchronize()
+                assert storage.buffer_or_none(f).value().devices() == {torchtpu._core.runtime.jax_device(1)}
         try:
             a + b
         except RuntimeError as e:

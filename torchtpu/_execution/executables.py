@@ -147,7 +147,11 @@ class Executable:
                  "lock", "compiling", "fn", "options", "retarget")
 
     def __init__(self, fn, key, name, describe=None, traced=None, retarget=None, **options):
-        self.jitted = jax.jit(fn, **options)
+        # Unused arguments kept: a program's results are placed where its arguments are, and
+        # one whose results read none of them (a fill_ of a whole storage, its input dropped)
+        # placed them on the default device, not the one its inputs, its op's, are on: a
+        # process using tpu:1 (torch.tpu.set_device(LOCAL_RANK)) got torch.ones on tpu:0's chip.
+        self.jitted = jax.jit(fn, **{"keep_unused": True, **options})
         # (a TPU target's build: compile_for, tpu_compiler.alongside)
         self.fn, self.options, self.retarget = fn, options, retarget
         self.key = key

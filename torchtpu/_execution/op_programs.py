@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten
 
-from .._core import metrics, registry, storage
+from .._core import metrics, registry, runtime, storage
 from .._core.dtypes import cast, to_jax_dtype, to_torch_dtype
 from .._lowerings.meta import c10_name, dtype_name
 from . import bounded, debug, executables, modes, overlap, spmd, strided
@@ -133,10 +133,15 @@ def executable(kernel, key, vals, buffers, scalars, device):
             traced=(lambda: list(compiled.check_info), _restorer(compiled.check_info)))
         metrics.counters["compiles"] += 1
     elif not kernel.low.eager:
+        # A factory (no tensor argument) places its results on its device: a program reading
+        # no array of one would put them on the default device (`torch.full(..., device=
+        # "tpu:1")` made an array on tpu:0's chip).
+        placed = {} if buffers else {
+            "out_shardings": jax.sharding.SingleDeviceSharding(runtime.jax_device(device))}
         compiled.fn = executables.Executable(
             compiled.run, _persistent_key(kernel, key), str(kernel.overload),
             describe=lambda: debug.describe_key(key),
-            traced=(lambda: list(compiled.check_info), _restorer(compiled.check_info)))
+            traced=(lambda: list(compiled.check_info), _restorer(compiled.check_info)), **placed)
         metrics.counters["compiles"] += 1
     return compiled
 
