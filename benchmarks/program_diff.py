@@ -222,8 +222,10 @@ def measure_target(name, a):
           f"({rows['JAX'][0].chip})")
     header = ("", "programs", "GFLOP", "MB accessed", "roofline ms", "HBM MiB", "temp MiB",
               "compile s", "fusions", "copies", "params", "64-bit", "concat")
-    print("  " + " | ".join(f"{h:>18s}" for h in header[:1]) + " | "
-          + " | ".join(f"{h:>12s}" for h in header[1:]))
+    def row(cells):  # (the mode's name wider than the figures)
+        print("  " + " | ".join([f"{cells[0]:>18s}"] + [f"{c:>12s}" for c in cells[1:]]))
+
+    row(header)
     j = rows["JAX"][0]
     for m, reports in rows.items():
         for r in reports:
@@ -239,8 +241,7 @@ def measure_target(name, a):
                  str(sum(r.fusions for r in reports)), str(sum(r.copies for r in reports)),
                  str(sum(r.parameters for r in reports)), str(sum(r.x64_calls for r in reports)),
                  str(sum(r.concat_bitcasts for r in reports)))
-        print("  " + " | ".join(f"{c:>18s}" for c in cells[:1]) + " | "
-              + " | ".join(f"{c:>12s}" for c in cells[1:]))
+        row(cells)
         if len(reports) > 1:  # (which of a step's programs holds the bytes)
             for r in reports:
                 print(f"      {r}")

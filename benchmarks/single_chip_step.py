@@ -35,7 +35,7 @@ def ours(config, layers, seq, batch, target):
     try:
         arrays = list(recorded.inputs)
         return segment.compile_for(target, arrays, pack_scalars(recorded.scalars, recorded.scalar_types),
-                                   scaling.overwritten(recorded))
+                                   recorded.overwritten())
     finally:
         recorded.release()
 

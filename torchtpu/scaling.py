@@ -206,14 +206,6 @@ def _recorded_step(model, seq, batch):
     return Segment.from_recording(recorded, "FSDP2 step", baked=True), recorded
 
 
-def overwritten(recorded):
-    """Per input of a Recording: whether the step gives its storage a new value, so that a run
-    donates it (as a torch.tpu graph's replay does) and its result takes the input's memory.
-    Compiled with nothing donated, a step holds its parameters and optimizer state twice."""
-    written = {id(p.owner()) for p in recorded.outputs}
-    return tuple(id(b) in written for b in recorded.input_storages)
-
-
 def fsdp_step_report(config, target, layers, seq, batch, checkpoint=False):
     """tpu_compiler.Report of one rank's FSDP2 training step of the `layers`-layer model of
     `config`, `batch` sequences of `seq` tokens per chip, compiled for `target` (every chip a
@@ -229,7 +221,10 @@ def fsdp_step_report(config, target, layers, seq, batch, checkpoint=False):
             arrays = list(recorded.inputs)
             return segment.compile_for(target, arrays, pack_scalars(recorded.scalars,
                                                                     recorded.scalar_types),
-                                       overwritten(recorded))
+                                       # (donated as a run donates them: compiled
+                                       # with none, a step holds its parameters and
+                                       # optimizer state twice)
+                                       recorded.overwritten())
         finally:
             recorded.release()
 

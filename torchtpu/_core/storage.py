@@ -220,12 +220,17 @@ def use_zeros_executable(zeros):
     _zeros = zeros
 
 
+def zeros_array_shape(n, shape):
+    """The shape of an unwritten storage's array of `n` elements: `shape` (its zeros_shape)
+    where it holds them, else flat."""
+    return tuple(shape) if shape is not None and math.prod(shape) == n else (n,)
+
+
 def zeros_for(nbytes, dtype, index, shape=None):
     """The array of an unwritten storage of `nbytes` (its elements read as zeros): of `shape`
     where given (the tensor zeroed over the whole storage), else flat."""
     metrics.counters["zeros_materialized"] += 1
-    n = nbytes // dtype.itemsize
-    shape = tuple(shape) if shape is not None and math.prod(shape) == n else (n,)
+    shape = zeros_array_shape(nbytes // dtype.itemsize, shape)
     if nbytes <= _HOST_ZEROS_BYTES or _zeros is None:
         return jax.device_put(np.zeros(shape, dtype), runtime.jax_device(index))
     return _zeros(shape, dtype, index)()

@@ -149,6 +149,13 @@ class Recording:
     def output_slots(self):
         return [p.slot for p in self.outputs]
 
+    def overwritten(self):
+        """Per input (of a capture by storage): whether the recording gives its storage a new
+        value, so that a run donates it, as a torch.tpu graph's replay does, and its result
+        takes the input's memory."""
+        written = {id(p.owner()) for p in self.outputs}
+        return tuple(id(b) in written for b in self.input_storages)
+
     def random_positions(self):
         """(position in `scalars`, draws) of each random op's (seed, offset) pair."""
         return self._trace.random_positions()
@@ -261,9 +268,7 @@ def record(kernel, compiled, vals, buffers, scalars, device):
                     a = async_compile.abstract(a, b)
                 elif a is None and tr.abstract:  # (the shape its zeros would take)
                     n = b.nbytes // np.dtype(b.dtype).itemsize
-                    shape = b.zeros_shape
-                    a = jax.ShapeDtypeStruct(
-                        tuple(shape) if shape is not None and math.prod(shape) == n else (n,), b.dtype)
+                    a = jax.ShapeDtypeStruct(storage.zeros_array_shape(n, b.zeros_shape), b.dtype)
                 else:
                     a = b.value()
             k = tr.ext_ids.get(ident)
@@ -452,13 +457,12 @@ def _settle_zeros(tr):
     program's temporaries, not arrays of zeros read from HBM at every step (a captured 4-layer
     GPT step read 70 MiB of them)."""
     for k, (ref, zeros, readers, shape, made_as) in tr.unwritten.items():
+        shape = shape or made_as
         if ref() is not None and not tr.captured:
             dtype = np.dtype(zeros[1])
-            tr.ext_arrays[k] = storage.zeros_for(zeros[0] * dtype.itemsize, dtype, tr.device,
-                                                 shape or made_as)
+            tr.ext_arrays[k] = storage.zeros_for(zeros[0] * dtype.itemsize, dtype, tr.device, shape)
         else:
             tr.ext_arrays[k] = _placeholder(zeros[1], tr.device)
-            shape = shape or made_as
             if shape is not None and math.prod(shape) == zeros[0]:
                 zeros = (tuple(shape), zeros[1])  # made in the shape of its tensor (strided.py)
             for op, position in readers:
