@@ -219,3 +219,66 @@ def test_a_queued_value_that_runs_during_a_capture_is_the_storage_value_after_it
     assert torch.equal(w.cpu(), x * 5)
     g.replay()
     assert_same(w, x * 10)
+
+
+def _buffer_pointer(t):
+    from torchtpu._core import storage
+    return storage.buffer_of(t).value().unsafe_buffer_pointer()
+
+
+def test_writes_to_a_small_part_of_a_large_storage_reuse_its_buffer():
+    # DDP's gradient bucket, a KV cache's rows: a strict write copied the whole storage.
+    torch.tpu.synchronize()
+    cpu = torch.zeros(3 * 2**16 + 11)
+    bucket = cpu.to("tpu")
+    views = [(bucket[i * 1000: i * 1000 + 300].view(20, 15), cpu[i * 1000: i * 1000 + 300].view(20, 15))
+             for i in range(4)]
+    grads = [torch.randn(20, 15) for _ in views]
+    for rep in range(3):
+        for (v, c), g in zip(views, grads):
+            torch.mul(g.to("tpu"), 0.5 + rep, out=v)
+            torch.mul(g, 0.5 + rep, out=c)
+        if rep == 1:
+            torch.tpu.synchronize()
+            before = _buffer_pointer(bucket)
+    torch.tpu.synchronize()
+    assert _buffer_pointer(bucket) == before  # written in place, no copy of the storage
+    assert_same(bucket, cpu)
+    # Another holder of the storage's array keeps its values: no buffer reused under it.
+    from torchtpu._core import storage
+    held = storage.buffer_of(bucket).value()
+    kept = held.copy()
+    torch.mul(grads[0].to("tpu"), 9.0, out=views[0][0])
+    torch.mul(grads[0], 9.0, out=views[0][1])
+    assert_same(bucket, cpu)
+    assert (held == kept).all() and not held.is_deleted()
+    # A failing index check leaves the target as it was.
+    index = torch.tensor([0, 500], device="tpu")
+    views[1][0].view(-1).index_put_((index,), torch.ones(2, device="tpu"))
+    with pytest.raises(IndexError):
+        torch.tpu.synchronize()
+    assert_same(bucket, cpu)
+
+
+def test_ops_alternating_between_two_signatures_take_the_fast_path():
+    # Views of one shape in storages of two sizes: one op key, two executables; each call
+    # is run by the one built for its arguments, with no refused call of the other first.
+    a, b = torch.zeros(4000, device="tpu"), torch.zeros(5000, device="tpu")
+    g = torch.ones(10, 10, device="tpu")
+    for _ in range(3):
+        a[:100].view(10, 10).add_(g)
+        b[100:200].view(10, 10).add_(g)
+        torch.tpu.synchronize()
+    from torchtpu._execution import executables as ex
+    calls = []
+    original = ex.signature
+    ex.signature = lambda args: calls.append(1) or original(args)
+    try:
+        for _ in range(5):
+            a[:100].view(10, 10).add_(g)
+            b[100:200].view(10, 10).add_(g)
+        torch.tpu.synchronize()
+    finally:
+        ex.signature = original
+    assert a[:100].sum().item() == 800 and b[100:200].sum().item() == 800
+    assert calls == []  # no signature computed: each call found its executable by shapes

@@ -310,7 +310,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
             return self._cpu.allreduce(tensors, opts)
         op = _reduce_op(opts, "allreduce")
         with self._calls("all_reduce", tensors):
-            for t in tensors:
+            for t in tensors if self._size > 1 else ():  # (one rank's: the identity)
                 _F.all_reduce_(t, op, self._name)
         return self._work(tensors)
 
@@ -319,7 +319,8 @@ class ProcessGroupTPU(dist.ProcessGroup):
             return self._cpu.allreduce_coalesced(tensors, opts)
         op = _reduce_op(opts, "allreduce_coalesced")
         with self._calls("all_reduce", tensors):
-            _F.all_reduce_coalesced_(tensors, op, self._name)
+            if self._size > 1:
+                _F.all_reduce_coalesced_(tensors, op, self._name)
         return self._work(tensors)
 
     def reduce(self, tensors, opts):
@@ -328,9 +329,10 @@ class ProcessGroupTPU(dist.ProcessGroup):
         op = _reduce_op(opts, "reduce")
         (t,) = tensors
         with self._calls("reduce", tensors):
-            total = _F.all_reduce(t, op, self._name)
-            if self._rank == opts.rootRank:
-                t.copy_(total)
+            if self._size > 1:
+                total = _F.all_reduce(t, op, self._name)
+                if self._rank == opts.rootRank:
+                    t.copy_(total)
         return self._work(tensors)
 
     def broadcast(self, tensors, opts):
@@ -338,7 +340,8 @@ class ProcessGroupTPU(dist.ProcessGroup):
             return self._cpu.broadcast(tensors, opts)
         t = tensors[opts.rootTensor]
         with self._calls("broadcast", [t]):
-            _F.broadcast_(t, opts.rootRank, self._name)
+            if self._size > 1:
+                _F.broadcast_(t, opts.rootRank, self._name)
         return self._work(tensors, [t])
 
     def barrier(self, opts):

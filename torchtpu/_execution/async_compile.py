@@ -28,7 +28,8 @@ import jax
 from .._core import metrics, runtime, storage
 from .._core.storage import Failed, Pending
 from . import debug, sync
-from .op_results import defer_checks, finish, returns
+from .executables import MISS
+from .op_results import defer_checks, finish, returns, strict_function
 
 
 def _workers_from_environment():
@@ -123,17 +124,16 @@ def prebuild(executable, args, ahead=False):
 def run(kernel, compiled, vals, buffers, scalars, device):
     """A strict op: run it now if its executable is ready and its inputs exist, else queue it."""
     fn = compiled.fn
-    # The steady state: nothing is queued, so no input is pending; the executable of the
-    # latest signature is tried once, here or below when something is queued.
+    # The steady state: nothing is queued, so no input is pending; the executable built for
+    # such arguments is tried once, here or below when something is queued.
     tried = not _queue.ops and fn.last is not None
     if tried:
         arrays = [b.value() for b in buffers]
-        try:
-            return finish(kernel, compiled, vals, fn.last(*arrays, *scalars), buffers, device)
-        except (TypeError, ValueError):
-            if fn.fits_last((*arrays, *scalars)):
-                raise  # it ran, and failed
-            # another signature (see Executable.__call__)
+        if compiled.donor is not None and strict_function(compiled, arrays) is compiled.donor:
+            return finish(kernel, compiled, vals, compiled.donor(*arrays, *scalars), buffers, device)
+        out = fn.call_built((*arrays, *scalars))
+        if out is not MISS:
+            return finish(kernel, compiled, vals, out, buffers, device)
     # Values of other kinds (a fused trace's) are read outside the lock: reading them may run
     # the fused trace, which holds its own lock.
     inputs = [b.peek() if queued(b.peek()) else b.value() for b in buffers]
@@ -147,13 +147,10 @@ def run(kernel, compiled, vals, buffers, scalars, device):
             elif queued(inputs[k]):  # it ran since
                 inputs[k] = b.value()
         args = inputs + list(scalars)
-        if not (waiting or tried):
-            last = fn.last
-            if last is not None:
-                try:
-                    return finish(kernel, compiled, vals, last(*args), buffers, device)
-                except (TypeError, ValueError):
-                    pass  # another signature (see Executable.__call__)
+        if not (waiting or tried) and fn.last is not None:
+            out = fn.call_built(args)
+            if out is not MISS:
+                return finish(kernel, compiled, vals, out, buffers, device)
         if not all(type(a.sharding) is _Single for a in inputs if type(a) is not Pending):
             # Sharded arrays: the values to come could not be described; run in order now.
             drain()

@@ -128,6 +128,14 @@ def _devices(x):
     return None if sharding is None else sharding.device_set
 
 
+def _shapes(args):
+    """What tells the signatures an executable is called with apart, cheaply."""
+    return tuple([getattr(a, "shape", None) for a in args])
+
+
+MISS = object()  # Executable.call_built: no executable built for such arguments
+
+
 def signature(args):
     leaves, tree = jax.tree_util.tree_flatten(args)
     return (str(tree), tuple(_leaf_signature(x) for x in leaves))
@@ -143,7 +151,7 @@ class Executable:
     `retarget(chips)`: fn for a TPU target's chips, where fn names this process's devices (a
     shard_map over a process group's mesh)."""
 
-    __slots__ = ("jitted", "key", "name", "describe", "traced", "last", "last_sig", "built",
+    __slots__ = ("jitted", "key", "name", "describe", "traced", "last", "by_shapes", "built",
                  "lock", "compiling", "fn", "options", "retarget")
 
     def __init__(self, fn, key, name, describe=None, traced=None, retarget=None, **options):
@@ -158,30 +166,34 @@ class Executable:
         self.name = name
         self.describe = describe
         self.traced = traced
-        # The executable of the latest signature used: the call's fast path (a chain of ops
-        # that starts from a flat storage, e.g. randn's, then goes on with shaped ones).
+        # The executable of the latest signature used, and per shapes of the arguments the
+        # latest used on them with its signature: the call's fast path (a chain of ops that
+        # starts from a flat storage, e.g. randn's, then goes on with shaped ones).
         self.last = None
-        self.last_sig = None  # its signature
+        self.by_shapes = {}
         self.built = {}    # signature -> jax.stages.Compiled
         self.compiling = {}  # signature -> Future of the Compiled, while a worker builds it
         self.lock = threading.Lock()
 
     def __call__(self, *args):
-        last = self.last
-        if last is not None:
-            try:
-                return last(*args)
-            except (TypeError, ValueError):
-                # Arguments of another signature (refused before running anything: another
-                # shape is a TypeError, another device a ValueError).  An error of the program
-                # itself (XLA:CPU's gloo reports a lost peer as a ValueError) is not run again.
-                if self.fits_last(args):
-                    raise
-        return self.prepare(*args)(*args)
+        out = self.call_built(args)
+        return self.prepare(*args)(*args) if out is MISS else out
 
-    def fits_last(self, args):
-        """Whether `args` have the signature of `last` (it ran on them, and failed)."""
-        return self.last_sig is not None and signature(args) == self.last_sig
+    def call_built(self, args):
+        """Run the executable last used on arguments of these shapes (the call's fast path:
+        a DDP bucket's views of one shape in buckets of two sizes alternate between two), or
+        MISS where there is none or JAX refuses `args` (another signature: refused before
+        running anything, another dtype a TypeError, another device a ValueError).  An error
+        of the program itself (XLA:CPU's gloo reports a lost peer as a ValueError) raises."""
+        hit = self.by_shapes.get(_shapes(args))
+        if hit is None:
+            return MISS
+        try:
+            return hit[0](*args)
+        except (TypeError, ValueError):
+            if signature(args) == hit[1]:
+                raise  # it ran, and failed
+            return MISS
 
     def has(self, *args):
         return signature(args) in self.built
@@ -206,8 +218,12 @@ class Executable:
             compiled = self._start(args, sig, pool=None)
             if isinstance(compiled, concurrent.futures.Future):
                 compiled = compiled.result()
-        self.last, self.last_sig = compiled, sig
+        self._use(compiled, sig, args)
         return compiled
+
+    def _use(self, compiled, sig, args):
+        self.last = compiled
+        self.by_shapes[_shapes(args)] = (compiled, sig)
 
     def start(self, args, pool):
         """The executable for `args` (arrays, or `jax.ShapeDtypeStruct`s of arrays still being
@@ -219,7 +235,7 @@ class Executable:
         if compiled is None:
             return self._start(args, sig, pool)
         if not isinstance(compiled, concurrent.futures.Future):
-            self.last, self.last_sig = compiled, sig
+            self._use(compiled, sig, args)
         return compiled
 
     def _accepting(self, args):
@@ -277,7 +293,7 @@ class Executable:
     def _keep(self, sig, compiled):
         self.built[sig] = compiled
         if self.last is None:
-            self.last, self.last_sig = compiled, sig
+            self.last = compiled
 
     def _compile_in_worker(self, traced, sig, entry_key):
         try:

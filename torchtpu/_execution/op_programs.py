@@ -27,6 +27,7 @@ from .random import key_from_parts
 
 _meta_device = torch.device("meta")
 _MAX_VARIANTS = 256  # output layouts kept per executable (see `variant`)
+_DONATE_FROM = 1 << 18  # bytes of a storage whose partial writes reuse its buffer (`donor`)
 
 
 class OutResized(Exception):
@@ -41,7 +42,7 @@ class OpProgram:
     collective the mesh it runs over."""
     __slots__ = ("key", "fn", "run", "out_specs", "wrap_specs", "writes", "check_info", "returns",
                  "list_len", "recheck_overlap", "meta_returns", "variants", "program", "draws",
-                 "mesh", "collective", "n_offsets")
+                 "mesh", "collective", "n_offsets", "donor")
 
     def with_outputs(self, out_specs):
         """The same executable giving its outputs other layouts (`variants`).  `program`, the
@@ -143,6 +144,13 @@ def executable(kernel, key, vals, buffers, scalars, device):
             describe=lambda: debug.describe_key(key),
             traced=(lambda: list(compiled.check_info), _restorer(compiled.check_info)), **placed)
         metrics.counters["compiles"] += 1
+        if compiled.donor:
+            key = compiled.fn.key
+            compiled.donor = executables.Executable(
+                compiled.run, None if key is None else executables.stable((key, "donating")),
+                str(kernel.overload), donate_argnums=tuple(compiled.writes), **placed)
+    if not isinstance(compiled.donor, executables.Executable):
+        compiled.donor = None
     return compiled
 
 
@@ -287,6 +295,12 @@ def make_run(compiled, kernel, vals, buffers, scalars, pos, kw):
     slots, write_targets, n_offsets = _slots(kernel, vals, buffers)
     compiled.n_offsets = n_offsets  # `run`'s last arguments (a graph bakes them in: segment.baked_numbers)
     compiled.writes = sorted({j for j, *_ in write_targets})
+    # A write to a small part of a large storage (DDP's gradient bucket, a KV cache's rows)
+    # copies the whole storage unless the program may reuse its buffer (strict eager: `donor`).
+    compiled.donor = any(
+        buffers[j].nbytes >= _DONATE_FROM
+        and 2 * math.prod(shape) * np.dtype(dtype).itemsize <= buffers[j].nbytes
+        for j, shape, _, _, dtype, *_ in write_targets)
     # Whether a written tensor and another argument overlap depends on their offsets, which
     # the key leaves out: a call whose written storage another argument shares checks again.
     used = [s[0] for v in slots.values() for s in (v if isinstance(v, list) else [v])

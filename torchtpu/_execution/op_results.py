@@ -4,6 +4,8 @@ new storages, in-place results replace the written storages' arrays, and the cal
 the schema says (a new tensor, a mutated argument, a list, a number its meta kernel fixed).
 Nothing is committed before the executable returned, so a failing op leaves every tensor as it
 was; its device-side checks are read at the host's next wait (sync.defer)."""
+import sys
+
 from .._core import storage
 from . import debug, sync
 
@@ -74,3 +76,15 @@ def returns(compiled, vals, new):
     if not results:
         return None
     return results[0] if len(results) == 1 else tuple(results)
+
+
+def strict_function(compiled, arrays):
+    """The executable a strict op calls on `arrays` (its storages' arrays): the one that
+    reuses the buffers of the storages it writes (`donor`) where nothing else holds them."""
+    donor = compiled.donor
+    if donor is not None:
+        counts = [sys.getrefcount(arrays[j]) for j in compiled.writes]
+        # (references: the list, the storage, getrefcount's argument)
+        if max(counts) <= 3:
+            return donor
+    return compiled.fn
