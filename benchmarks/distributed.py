@@ -5,11 +5,14 @@
 For each process count it launches that many ranks (as torchrun would) and prints, from rank 0:
   - all-reduce: latency of a 4-byte all-reduce (tpu with and without the cross-rank call check,
     TORCHTPU_DIST_CHECK=0) and bus bandwidth for larger float32 tensors, next to gloo on the
-    same CPU tensors (bus bandwidth = size / time * 2 (n-1) / n, as nccl-tests reports it);
-  - a DDP and an FSDP2 training step of a small GPT on tpu, and the same DDP step on the CPU
-    with gloo: ms/step, bytes the collectives moved per step (tpu: measured by the backend;
-    gloo: DDP's gradient bytes), and per-rank memory (tpu: peak device bytes; FSDP2 also the
-    parameter bytes each rank holds).
+    same CPU tensors (bus bandwidth = size / time * 2 (n-1) / n, as nccl-tests reports it) and
+    to the same all-reduce written in JAX (a jitted psum over the processes' devices: the
+    floor of XLA's collectives that tpu's run on);
+  - a DDP and an FSDP2 training step of a small GPT on tpu, the same step without DDP, and
+    the same DDP step on the CPU with gloo: ms/step, bytes the collectives moved per step (tpu:
+    measured by the backend; gloo: DDP's gradient bytes), and per-rank memory (tpu: peak
+    device bytes; FSDP2 also the parameter bytes each rank holds); with --fused, the tpu
+    steps also in fused eager.
 On one machine with 2 cores every extra process shares the same cores, so these figures show
 overheads and correctness of the plumbing, not TPU scaling (see docs/distributed.md).
 """
@@ -40,7 +43,7 @@ def launch(n, args):
         env.pop("XLA_FLAGS", None)
         procs.append(subprocess.Popen(
             [sys.executable, HERE, "--worker", "--steps", str(args.steps),
-             "--sizes-mb", args.sizes_mb], env=env, stdout=subprocess.PIPE,
+             "--sizes-mb", args.sizes_mb] + (["--fused"] if args.fused else []), env=env, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=1800)[0] for p in procs]
     results = []
@@ -61,6 +64,26 @@ def _time(fn, reps, sync):
         fn()
     sync()
     return (time.perf_counter() - t0) / reps
+
+
+def _jax_all_reduce(numel):
+    """One all-reduce of `numel` float32 per process written in JAX, run to completion per
+    call (as dist.all_reduce on gloo is): a psum over every process's device."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()), ("ranks",))
+    psum = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "ranks"), mesh=mesh,
+                                 in_specs=P("ranks"), out_specs=P("ranks")))
+    local = jax.device_put(jnp.ones((numel,), jnp.float32), jax.local_devices()[0])
+    x = [jax.make_array_from_single_device_arrays((numel * len(jax.devices()),),
+                                                  NamedSharding(mesh, P("ranks")), [local])]
+
+    def run():
+        x[0] = psum(x[0])
+        x[0].block_until_ready()
+    return run
 
 
 def worker(args):
@@ -90,15 +113,17 @@ def worker(args):
     result["latency_us_tpu_nocheck"] = _time(lambda: dist.all_reduce(unchecked), 50, sync) * 1e6
     del os.environ["TORCHTPU_DIST_CHECK"]
     result["latency_us_gloo"] = _time(lambda: dist.all_reduce(small_c), 50, lambda: None) * 1e6
+    result["latency_us_jax"] = _time(_jax_all_reduce(1), 50, lambda: None) * 1e6
     result["bandwidth"] = []
     for mb in (float(s) for s in args.sizes_mb.split(",")):
         numel = int(mb * 2**20 / 4)
         t, c = torch.ones(numel, device="tpu"), torch.ones(numel)
         tt = _time(lambda t=t: dist.all_reduce(t), 5, sync)
         tc = _time(lambda c=c: dist.all_reduce(c), 5, lambda: None)
+        tj = _time(_jax_all_reduce(numel), 5, lambda: None)
         result["bandwidth"].append({"mb": mb, "tpu_gbps": numel * 4 / tt / 1e9 * busbw,
                                     "gloo_gbps": numel * 4 / tc / 1e9 * busbw,
-                                    "tpu_ms": tt * 1e3, "gloo_ms": tc * 1e3})
+                                    "tpu_ms": tt * 1e3, "gloo_ms": tc * 1e3, "jax_ms": tj * 1e3})
 
     # training steps
     def model():
@@ -128,11 +153,20 @@ def worker(args):
         t0 = time.perf_counter()
         for _ in range(args.steps):
             step()
-        result[f"{name}_ms"] = (time.perf_counter() - t0) / args.steps * 1e3
+        ms = (time.perf_counter() - t0) / args.steps * 1e3
+        result[f"{name}_ms"] = min(ms, result.get(f"{name}_ms", ms))
         result[f"{name}_bytes_per_step"] = (torchtpu.metrics().get("collective_bytes", 0)
                                             - before) / args.steps
 
     grad_bytes = sum(p.numel() * 4 for p in model().parameters())
+    for mode in ("strict", "fused") if args.fused else ("strict",):
+        suffix = "" if mode == "strict" else "_fused"
+        with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_NEVER if mode == "strict"
+                                      else torch.tpu.EagerMode.DEFER_AND_FUSE):
+            # alternately, so that both see the same load
+            for _ in range(2):
+                measure("plain_tpu" + suffix, model().to("tpu"), "tpu")
+                measure("ddp_tpu" + suffix, DDP(model().to("tpu")), "tpu")
     torch.tpu.reset_peak_memory_stats()
     measure("ddp_tpu", DDP(model().to("tpu")), "tpu")
     result["ddp_tpu_peak_bytes"] = torch.tpu.max_memory_allocated()
@@ -157,25 +191,33 @@ def main():
     p.add_argument("--procs", default="1,2,4")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--sizes-mb", default="0.25,4,16")
+    p.add_argument("--fused", action="store_true", help="the tpu steps in fused eager too")
     p.add_argument("--worker", action="store_true")
     args = p.parse_args()
     if args.worker:
         return worker(args)
-    print(f"{'procs':>5} {'all-reduce 4 B (us): tpu / no check / gloo':>44}")
+    print(f"{'procs':>5} {'all-reduce 4 B (us): tpu / no check / gloo / JAX':>50}")
     rows = []
     for n in (int(x) for x in args.procs.split(",")):
         res = launch(n, args)
         rows.append(res)
         r0 = res[0]
         print(f"{n:>5} {r0['latency_us_tpu']:>20.0f} / {r0['latency_us_tpu_nocheck']:>8.0f} / "
-              f"{r0['latency_us_gloo']:>8.0f}")
+              f"{r0['latency_us_gloo']:>8.0f} / {r0['latency_us_jax']:>8.0f}   tpu - gloo "
+              f"{(r0['latency_us_tpu'] - r0['latency_us_gloo']) / 1e3:.2f} ms")
         for b in r0["bandwidth"]:
             print(f"      all-reduce {b['mb']:>6.2f} MB: tpu {b['tpu_ms']:8.2f} ms "
                   f"({b['tpu_gbps']:.2f} GB/s bus)   gloo {b['gloo_ms']:8.2f} ms "
-                  f"({b['gloo_gbps']:.2f} GB/s bus)   tpu/gloo time {b['tpu_ms'] / b['gloo_ms']:.2f}x")
+                  f"({b['gloo_gbps']:.2f} GB/s bus)   JAX {b['jax_ms']:8.2f} ms   tpu/gloo time "
+                  f"{b['tpu_ms'] / b['gloo_ms']:.2f}x, JAX/gloo {b['jax_ms'] / b['gloo_ms']:.2f}x")
         print(f"      DDP step: tpu {r0['ddp_tpu_ms']:.1f} ms   gloo CPU {r0['ddp_gloo_ms']:.1f} ms   "
               f"tpu/gloo {r0['ddp_tpu_ms'] / r0['ddp_gloo_ms']:.2f}x   collective bytes/step: tpu "
               f"{r0['ddp_tpu_bytes_per_step'] / 1e6:.2f} MB, gloo {r0['ddp_gloo_bytes_per_step'] / 1e6:.2f} MB")
+        for mode in ("", "_fused"):
+            if f"plain_tpu{mode}_ms" in r0:
+                print(f"      {'fused' if mode else 'strict'}: DDP step {r0[f'ddp_tpu{mode}_ms']:.1f} ms, "
+                      f"the same without DDP {r0[f'plain_tpu{mode}_ms']:.1f} ms "
+                      f"({r0[f'ddp_tpu{mode}_ms'] / r0[f'plain_tpu{mode}_ms']:.2f}x)")
         print(f"      FSDP2 step: tpu {r0['fsdp_tpu_ms']:.1f} ms   collective bytes/step "
               f"{r0['fsdp_tpu_bytes_per_step'] / 1e6:.2f} MB")
         for r, x in enumerate(res):

@@ -224,6 +224,21 @@ def scenario_divergent():
     torch.tpu.eager_mode = {"strict": "DEFER_NEVER", "fused": "DEFER_AND_FUSE",
                             "debug": "DEFER_NEVER_AND_LAUNCH_BLOCKING"}[mode]
     t, u = torch.ones(4, device="tpu"), torch.ones(3, device="tpu")
+    # The ranks compare each distinct program once: a collective run again is not compared.
+    import torchtpu
+    w = torch.ones(5, device="tpu")
+    checks = torchtpu.metrics().get("collective_checks", 0)
+    for _ in range(3):
+        dist.all_reduce(w)
+    assert torch.equal(w.cpu(), torch.full((5,), 8.0))
+    every_run = os.environ.get("TORCHTPU_DIST_CHECK") == "all"
+    if mode != "fused":  # (fused eager: the three are one program)
+        assert torchtpu.metrics()["collective_checks"] - checks == (3 if every_run else 1)
+    if every_run:  # both programs agreed on before: only a check of every run finds the split
+        dist.all_reduce(t)
+        dist.all_reduce(u)
+        t.fill_(1)
+        u.fill_(1)
     try:
         if r == 0:
             dist.all_reduce(t)  # rank 0 only

@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+import torchtpu
 from conftest import xla_flags
 
 WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
@@ -116,9 +117,14 @@ def test_torch_tpu_queries_before_init_process_group():
     assert_passed(launch("launch_order", 2), "launch_order")
 
 
-@pytest.mark.parametrize("mode", ["strict", "fused", "debug"])
+@pytest.mark.parametrize("mode", ["strict", "fused", "debug", "strict-every-run"])
 def test_a_collective_on_one_rank_only_raises_naming_both_sides(mode):
-    assert_passed(launch("divergent", 2, timeout=120, env={"TORCHTPU_TEST_MODE": mode}), "divergent")
+    # Each distinct program is compared the first time it runs; with TORCHTPU_DIST_CHECK=all,
+    # every time, so that ranks splitting into programs compared before are stopped too.
+    env = {"TORCHTPU_TEST_MODE": mode.split("-")[0]}
+    if mode == "strict-every-run":
+        env["TORCHTPU_DIST_CHECK"] = "all"
+    assert_passed(launch("divergent", 2, timeout=120, env=env), "divergent")
 
 
 def test_init_process_group_after_a_tensor_says_why():
@@ -269,6 +275,14 @@ def test_one_rank_group_collectives_are_identities(one_rank_group):
     w = dist.all_reduce(t, async_op=True)
     assert w.wait() and w.is_completed()
     dist.barrier()
+    # In-place collectives of one rank run nothing (DDP on one process: no program per bucket).
+    before = torchtpu.metrics().get("ops", 0)
+    dist.all_reduce(t)
+    dist.broadcast(t, 0)
+    dist.reduce(t, 0, op=dist.ReduceOp.MAX)
+    dist.all_reduce_coalesced([t, t], op=dist.ReduceOp.AVG)
+    assert torchtpu.metrics().get("ops", 0) == before
+    torch.testing.assert_close(t.cpu(), torch.arange(6.0))
 
 
 def test_bad_collective_arguments_raise_and_leave_tensors_intact(one_rank_group):
