@@ -3,8 +3,9 @@
     python benchmarks/distributed.py [--procs 1,2,4] [--steps 6] [--sizes-mb 0.25,4,16]
 
 For each process count it launches that many ranks (as torchrun would) and prints, from rank 0:
-  - all-reduce: latency of a 4-byte all-reduce (tpu with and without the cross-rank call check,
-    TORCHTPU_DIST_CHECK=0) and bus bandwidth for larger float32 tensors, next to gloo on the
+  - all-reduce: latency of a 4-byte all-reduce (tpu with the cross-rank call check, which
+    compares a program's first run; without it, TORCHTPU_DIST_CHECK=0; comparing every run,
+    TORCHTPU_DIST_CHECK=all) and bus bandwidth for larger float32 tensors, next to gloo on the
     same CPU tensors (bus bandwidth = size / time * 2 (n-1) / n, as nccl-tests reports it) and
     to the same all-reduce written in JAX (a jitted psum over the processes' devices: the
     floor of XLA's collectives that tpu's run on);
@@ -56,14 +57,20 @@ def launch(n, args):
 
 
 # --- one rank ------------------------------------------------------------------------------
-def _time(fn, reps, sync):
-    fn()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(reps):
+def _time(fn, reps, sync, rounds=3):
+    """Seconds per call of fn: the best of `rounds` rounds of `reps` calls (the 2-core machine's
+    noise only ever adds), after three calls to warm up."""
+    for _ in range(3):
         fn()
     sync()
-    return (time.perf_counter() - t0) / reps
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best
 
 
 def _jax_all_reduce(numel):
@@ -105,15 +112,18 @@ def worker(args):
 
     # all-reduce latency and bandwidth
     small_t, small_c = torch.ones(1, device="tpu"), torch.ones(1)
-    result["latency_us_tpu"] = _time(lambda: dist.all_reduce(small_t), 50, sync) * 1e6
+    result["latency_us_tpu"] = _time(lambda: dist.all_reduce(small_t), 100, sync) * 1e6
     os.environ["TORCHTPU_DIST_CHECK"] = "0"
-    # The check is part of a collective's program, built once per call shape: a shape not
-    # seen yet (the same 4 bytes) gets a program without it.
+    # Whether a program is checked is decided when it is built, once per call shape: a shape
+    # not seen yet (the same 4 bytes) gets a program without the check.
     unchecked = torch.ones(1, 1, device="tpu")
-    result["latency_us_tpu_nocheck"] = _time(lambda: dist.all_reduce(unchecked), 50, sync) * 1e6
+    result["latency_us_tpu_nocheck"] = _time(lambda: dist.all_reduce(unchecked), 100, sync) * 1e6
+    os.environ["TORCHTPU_DIST_CHECK"] = "all"  # compared at every run, not only the first
+    every = torch.ones(1, 1, 1, device="tpu")
+    result["latency_us_tpu_every_run"] = _time(lambda: dist.all_reduce(every), 100, sync) * 1e6
     del os.environ["TORCHTPU_DIST_CHECK"]
-    result["latency_us_gloo"] = _time(lambda: dist.all_reduce(small_c), 50, lambda: None) * 1e6
-    result["latency_us_jax"] = _time(_jax_all_reduce(1), 50, lambda: None) * 1e6
+    result["latency_us_gloo"] = _time(lambda: dist.all_reduce(small_c), 100, lambda: None) * 1e6
+    result["latency_us_jax"] = _time(_jax_all_reduce(1), 100, lambda: None) * 1e6
     result["bandwidth"] = []
     for mb in (float(s) for s in args.sizes_mb.split(",")):
         numel = int(mb * 2**20 / 4)
@@ -196,13 +206,14 @@ def main():
     args = p.parse_args()
     if args.worker:
         return worker(args)
-    print(f"{'procs':>5} {'all-reduce 4 B (us): tpu / no check / gloo / JAX':>50}")
+    print(f"{'procs':>5} {'all-reduce 4 B (us): tpu / no check / every run checked / gloo / JAX':>70}")
     rows = []
     for n in (int(x) for x in args.procs.split(",")):
         res = launch(n, args)
         rows.append(res)
         r0 = res[0]
         print(f"{n:>5} {r0['latency_us_tpu']:>20.0f} / {r0['latency_us_tpu_nocheck']:>8.0f} / "
+              f"{r0['latency_us_tpu_every_run']:>8.0f} / "
               f"{r0['latency_us_gloo']:>8.0f} / {r0['latency_us_jax']:>8.0f}   tpu - gloo "
               f"{(r0['latency_us_tpu'] - r0['latency_us_gloo']) / 1e3:.2f} ms")
         for b in r0["bandwidth"]:
