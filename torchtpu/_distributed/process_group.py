@@ -6,8 +6,8 @@ autograd record and no version bump).  They therefore run in every mode as ops d
 eager as a program of their own, dispatched asynchronously on the calling thread (no thread
 hand-off); in fused eager, a torch.tpu graph or a compiled graph recorded into the trace, whose
 program then holds them.  Before every program holding collectives, the ranks compare its
-collectives through the group's store (_execution/spmd.py; the first run of each distinct
-program, or every run with TORCHTPU_DIST_CHECK=all); where they differ, none of them runs, and
+collectives through the group's store (_execution/spmd.py; with TORCHTPU_DIST_CHECK=first only
+each distinct program's first run); where they differ, none of them runs, and
 a RuntimeError naming each rank's side is raised at the next host wait (or at the rank's next
 collective), every tensor left as it was.
 
@@ -69,9 +69,8 @@ def group_named(name):
     return group
 
 
-def _check_every_run():
-    return (os.environ.get("TORCHTPU_DIST_CHECK") == "all"
-            or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL")
+def _first_run_only():
+    return os.environ.get("TORCHTPU_DIST_CHECK") == "first"
 
 
 def _reduce_op(opts, who):
@@ -245,13 +244,14 @@ class ProcessGroupTPU(dist.ProcessGroup):
     def _compare(self, payload):
         """Every rank's `payload` (the signature of the program over this group's mesh that
         each is about to run), in rank order, through the group's store: the host waits for
-        its peers to reach their next program, within the group's timeout.  A program whose
-        signature the ranks already agreed on is not compared again (None): each comparison
-        is a host rendezvous, ~0.5-0.9 ms per strict collective on this machine, where an
-        unchecked one costs what JAX's psum does; TORCHTPU_DIST_CHECK=all (or PyTorch's
-        TORCH_DISTRIBUTED_DEBUG=DETAIL) compares every run.  The ranks decide alike: the
-        programs they ran, compared and agreed on are the same until they disagree."""
-        if payload in self._agreed:
+        its peers to reach their next program, within the group's timeout.  Each comparison
+        is a host rendezvous (0.5-0.9 ms per strict collective on this machine, where an
+        unchecked one costs what JAX's psum does).  With TORCHTPU_DIST_CHECK=first, a program
+        whose signature the ranks already agreed on is not compared again (None): ranks that
+        split into such programs are not stopped, and where one rank's program was compared
+        before and another's was not, the other waits for it until the group's timeout."""
+        first_only = _first_run_only()
+        if first_only and payload in self._agreed:
             return None
         metrics.counters["collective_checks"] += 1
         n = self._programs = self._programs + 1
@@ -266,7 +266,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         if n > 1:
             # Every peer has written its entry n, so it has read every entry n - 1.
             self._store.delete_key(f"torchtpu/program/{n - 1}/{self._rank}")
-        if not _check_every_run() and all(p == payload for p in payloads):
+        if first_only and all(p == payload for p in payloads):
             if len(self._agreed) >= _AGREED_KEPT:  # (the same length on every rank)
                 self._agreed.clear()
             self._agreed.add(payload)

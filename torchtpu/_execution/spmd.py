@@ -19,9 +19,9 @@ skipped instead (they would not pair: an in-place collective leaves its target a
 new result is zeros; a fused segment, only its ops before the first collective), on its own
 device, and the mismatch is a deferred check (sync.defer) raised at the next host wait, naming
 each rank's side.  The check is beside the program, not in it: the program the TPU compiler
-schedules is the step alone, with no conditional around it.  A group compares a program the
-first time it runs (the ranks' programs are the same until they disagree; TORCHTPU_DIST_CHECK=all
-compares every run) and TORCHTPU_DIST_CHECK=0 leaves the check out.
+schedules is the step alone, with no conditional around it.  TORCHTPU_DIST_CHECK=first compares
+only each distinct program's first run (the distributed layer's ProcessGroupTPU._compare says
+what that gives up), TORCHTPU_DIST_CHECK=0 leaves the check out.
 
 The distributed layer registers `on_exchange`, `on_dispatch`, `on_failure` and `on_mismatch`
 hooks: a host wait is bounded by the group's timeout while such programs are in flight, and a
