@@ -29,7 +29,7 @@ from .._core import metrics, runtime, storage
 from .._core.storage import Failed, Pending
 from . import debug, sync
 from .executables import MISS
-from .op_results import defer_checks, finish, returns, strict_function
+from .op_results import defer_checks, finish, may_donate, returns
 
 
 def _workers_from_environment():
@@ -129,7 +129,7 @@ def run(kernel, compiled, vals, buffers, scalars, device):
     tried = not _queue.ops and fn.last is not None
     if tried:
         arrays = [b.value() for b in buffers]
-        if compiled.donor is not None and strict_function(compiled, arrays) is compiled.donor:
+        if may_donate(compiled, arrays):
             return finish(kernel, compiled, vals, compiled.donor(*arrays, *scalars), buffers, device)
         out = fn.call_built((*arrays, *scalars))
         if out is not MISS:

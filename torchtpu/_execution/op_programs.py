@@ -127,6 +127,7 @@ def executable(kernel, key, vals, buffers, scalars, device):
     with metrics.span(f"torchtpu::compile {kernel.overload}"):
         compiled = build(kernel, vals, buffers, scalars, device)
     compiled.key = key
+    partial_writes, compiled.donor = compiled.donor, None  # (make_run's finding)
     if compiled.mesh is not None:  # a collective: run on every rank of its group
         compiled.fn = spmd.Program(
             compiled.run, compiled.mesh, [compiled.collective],
@@ -144,13 +145,11 @@ def executable(kernel, key, vals, buffers, scalars, device):
             describe=lambda: debug.describe_key(key),
             traced=(lambda: list(compiled.check_info), _restorer(compiled.check_info)), **placed)
         metrics.counters["compiles"] += 1
-        if compiled.donor:
+        if partial_writes:
             key = compiled.fn.key
             compiled.donor = executables.Executable(
                 compiled.run, None if key is None else executables.stable((key, "donating")),
                 str(kernel.overload), donate_argnums=tuple(compiled.writes), **placed)
-    if not isinstance(compiled.donor, executables.Executable):
-        compiled.donor = None
     return compiled
 
 
@@ -296,7 +295,8 @@ def make_run(compiled, kernel, vals, buffers, scalars, pos, kw):
     compiled.n_offsets = n_offsets  # `run`'s last arguments (a graph bakes them in: segment.baked_numbers)
     compiled.writes = sorted({j for j, *_ in write_targets})
     # A write to a small part of a large storage (DDP's gradient bucket, a KV cache's rows)
-    # copies the whole storage unless the program may reuse its buffer (strict eager: `donor`).
+    # copies the whole storage unless the program may reuse its buffer (strict eager: `donor`,
+    # which `executable` makes where this is true).
     compiled.donor = any(
         buffers[j].nbytes >= _DONATE_FROM
         and 2 * math.prod(shape) * np.dtype(dtype).itemsize <= buffers[j].nbytes

@@ -78,13 +78,11 @@ def returns(compiled, vals, new):
     return results[0] if len(results) == 1 else tuple(results)
 
 
-def strict_function(compiled, arrays):
-    """The executable a strict op calls on `arrays` (its storages' arrays): the one that
-    reuses the buffers of the storages it writes (`donor`) where nothing else holds them."""
-    donor = compiled.donor
-    if donor is not None:
-        counts = [sys.getrefcount(arrays[j]) for j in compiled.writes]
-        # (references: the list, the storage, getrefcount's argument)
-        if max(counts) <= 3:
-            return donor
-    return compiled.fn
+def may_donate(compiled, arrays):
+    """Whether a strict op calls the executable that reuses the buffers of the storages it
+    writes (`donor`) on `arrays` (its storages' arrays): where it has one and nothing else
+    holds them."""
+    if compiled.donor is None:
+        return False
+    # (references: the list, the storage, getrefcount's argument)
+    return max(sys.getrefcount(arrays[j]) for j in compiled.writes) <= 3

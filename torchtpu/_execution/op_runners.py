@@ -30,7 +30,7 @@ from .._core.metrics import FlushReason
 from . import async_compile, debug, fused, modes, recording, spmd, sync
 from .op_keys import device_scalars
 from .op_programs import one_value, wrap_specs
-from .op_results import commit, finish, raise_failed_checks, strict_function
+from .op_results import commit, finish, may_donate, raise_failed_checks
 
 _STRICT = modes.EagerMode.DEFER_NEVER
 _FUSED = modes.EagerMode.DEFER_AND_FUSE
@@ -51,7 +51,7 @@ def _now(kernel, compiled, vals, buffers, scalars, device):
     """Call the executable now, on its inputs' arrays (waiting for any still to come)."""
     arrays = [b.value() for b in buffers]
     metrics.counters[kernel.metric_key] += 1
-    run = strict_function(compiled, arrays)
+    run = compiled.donor if may_donate(compiled, arrays) else compiled.fn
     return finish(kernel, compiled, vals, run(*arrays, *scalars), buffers, device)
 
 
