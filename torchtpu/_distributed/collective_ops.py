@@ -184,6 +184,14 @@ def _all_to_all_single_kernel(table_kernel):
     return run
 
 
+def _one_rank_identity(table_kernel):
+    """An in-place collective's eager kernel: on a group of one rank the identity, which runs
+    nothing (DDP on one process: no program per bucket); on more, the table's op."""
+    def run(*args):
+        return args[0] if _size(args[-1]) == 1 else table_kernel(*args)
+    return run
+
+
 def install(group_named):
     """Give the `_c10d_functional` ops their tpu kernels (once, when the first tpu group is
     made: their meta kernels come with torch.distributed._functional_collectives);
@@ -199,5 +207,7 @@ def install(group_named):
             kernel = kernel_for(overload)
             if overload.name() == "_c10d_functional::all_to_all_single":
                 kernel = _all_to_all_single_kernel(kernel)
+            elif overload.name().endswith("_"):  # all_reduce_, all_reduce_coalesced_, broadcast_
+                kernel = _one_rank_identity(kernel)
             _library.impl(overload, kernel, "PrivateUse1")
     _library.impl("wait_tensor", lambda t: t, "PrivateUse1")

@@ -331,7 +331,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
             return self._cpu.allreduce(tensors, opts)
         op = _reduce_op(opts, "allreduce")
         with self._calls("all_reduce", tensors):
-            for t in tensors if self._size > 1 else ():  # (one rank's: the identity)
+            for t in tensors:
                 _F.all_reduce_(t, op, self._name)
         return self._work(tensors)
 
@@ -340,8 +340,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
             return self._cpu.allreduce_coalesced(tensors, opts)
         op = _reduce_op(opts, "allreduce_coalesced")
         with self._calls("all_reduce", tensors):
-            if self._size > 1:
-                _F.all_reduce_coalesced_(tensors, op, self._name)
+            _F.all_reduce_coalesced_(tensors, op, self._name)
         return self._work(tensors)
 
     def reduce(self, tensors, opts):
@@ -350,7 +349,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         op = _reduce_op(opts, "reduce")
         (t,) = tensors
         with self._calls("reduce", tensors):
-            if self._size > 1:
+            if self._size > 1:  # (one rank's: the identity; the in-place ops' kernels say so)
                 total = _F.all_reduce(t, op, self._name)
                 if self._rank == opts.rootRank:
                     t.copy_(total)
@@ -361,8 +360,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
             return self._cpu.broadcast(tensors, opts)
         t = tensors[opts.rootTensor]
         with self._calls("broadcast", [t]):
-            if self._size > 1:
-                _F.broadcast_(t, opts.rootRank, self._name)
+            _F.broadcast_(t, opts.rootRank, self._name)
         return self._work(tensors, [t])
 
     def barrier(self, opts):
