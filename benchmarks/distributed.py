@@ -57,7 +57,7 @@ def launch(n, args):
 
 
 # --- one rank ------------------------------------------------------------------------------
-def _time(fn, reps, sync, rounds=3):
+def seconds_per_call(fn, reps, sync, rounds=3):
     """Seconds per call of fn: the best of `rounds` rounds of `reps` calls (the 2-core machine's
     noise only ever adds), after three calls to warm up."""
     for _ in range(3):
@@ -113,24 +113,24 @@ def worker(args):
     # all-reduce latency and bandwidth
     small_t, small_c = torch.ones(1, device="tpu"), torch.ones(1)
     os.environ["TORCHTPU_DIST_CHECK"] = "first"
-    result["latency_us_tpu"] = _time(lambda: dist.all_reduce(small_t), 100, sync) * 1e6
+    result["latency_us_tpu"] = seconds_per_call(lambda: dist.all_reduce(small_t), 100, sync) * 1e6
     os.environ["TORCHTPU_DIST_CHECK"] = "0"
     # Whether a program is checked is decided when it is built, once per call shape: a shape
     # not seen yet (the same 4 bytes) gets a program without the check.
     unchecked = torch.ones(1, 1, device="tpu")
-    result["latency_us_tpu_nocheck"] = _time(lambda: dist.all_reduce(unchecked), 100, sync) * 1e6
+    result["latency_us_tpu_nocheck"] = seconds_per_call(lambda: dist.all_reduce(unchecked), 100, sync) * 1e6
     del os.environ["TORCHTPU_DIST_CHECK"]  # compared at every run (the default)
     every = torch.ones(1, 1, 1, device="tpu")
-    result["latency_us_tpu_every_run"] = _time(lambda: dist.all_reduce(every), 100, sync) * 1e6
-    result["latency_us_gloo"] = _time(lambda: dist.all_reduce(small_c), 100, lambda: None) * 1e6
-    result["latency_us_jax"] = _time(_jax_all_reduce(1), 100, lambda: None) * 1e6
+    result["latency_us_tpu_every_run"] = seconds_per_call(lambda: dist.all_reduce(every), 100, sync) * 1e6
+    result["latency_us_gloo"] = seconds_per_call(lambda: dist.all_reduce(small_c), 100, lambda: None) * 1e6
+    result["latency_us_jax"] = seconds_per_call(_jax_all_reduce(1), 100, lambda: None) * 1e6
     result["bandwidth"] = []
     for mb in (float(s) for s in args.sizes_mb.split(",")):
         numel = int(mb * 2**20 / 4)
         t, c = torch.ones(numel, device="tpu"), torch.ones(numel)
-        tt = _time(lambda t=t: dist.all_reduce(t), 5, sync)
-        tc = _time(lambda c=c: dist.all_reduce(c), 5, lambda: None)
-        tj = _time(_jax_all_reduce(numel), 5, lambda: None)
+        tt = seconds_per_call(lambda t=t: dist.all_reduce(t), 5, sync)
+        tc = seconds_per_call(lambda c=c: dist.all_reduce(c), 5, lambda: None)
+        tj = seconds_per_call(_jax_all_reduce(numel), 5, lambda: None)
         result["bandwidth"].append({"mb": mb, "tpu_gbps": numel * 4 / tt / 1e9 * busbw,
                                     "gloo_gbps": numel * 4 / tc / 1e9 * busbw,
                                     "tpu_ms": tt * 1e3, "gloo_ms": tc * 1e3, "jax_ms": tj * 1e3})

@@ -7,26 +7,13 @@ copies the whole storage at every write).
     python benchmarks/view_writes.py [--storage-mb 1.88] [--ops 400]
 """
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import torch
 
 import torchtpu  # noqa: F401
-
-
-def _per_op(fn, n, sync):
-    best = float("inf")
-    for _ in range(3):
-        fn()
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        sync()
-        best = min(best, (time.perf_counter() - t0) / n)
-    return best * 1e6
+from distributed import seconds_per_call
 
 
 def main():
@@ -44,10 +31,10 @@ def main():
         grad = torch.randn(shape, device=device)
         view = bucket[1000:1000 + size].view(shape)
         sync = torch.tpu.synchronize if device == "tpu" else (lambda: None)
-        rows[f"mul.out into a view, {device}"] = _per_op(
-            lambda: torch.mul(grad, scale, out=view), args.ops, sync)
-        rows[f"copy_ of a view into a tensor, {device}"] = _per_op(
-            lambda: grad.copy_(view), args.ops, sync)
+        rows[f"mul.out into a view, {device}"] = seconds_per_call(
+            lambda: torch.mul(grad, scale, out=view), args.ops, sync) * 1e6
+        rows[f"copy_ of a view into a tensor, {device}"] = seconds_per_call(
+            lambda: grad.copy_(view), args.ops, sync) * 1e6
     for donate in (True, False):
         write = jax.jit(lambda b, g: jax.lax.dynamic_update_slice(b, (g * 0.5).reshape(-1), (1000,)),
                         donate_argnums=(0,) if donate else ())
@@ -56,8 +43,8 @@ def main():
 
         def run():
             state[0] = write(state[0], g)
-        rows[f"the write in jax.jit, {'donating' if donate else 'not donating'}"] = _per_op(
-            run, args.ops, lambda: state[0].block_until_ready())
+        rows[f"the write in jax.jit, {'donating' if donate else 'not donating'}"] = seconds_per_call(
+            run, args.ops, lambda: state[0].block_until_ready()) * 1e6
     print(f"storage {args.storage_mb} MB, a view of {size * 4 / 1e3:.0f} KB")
     for name, us in rows.items():
         print(f"  {name:45s} {us:8.1f} us/op")
