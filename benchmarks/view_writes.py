@@ -2,9 +2,11 @@
 scaled into its view of a flat bucket, `torch.mul(grad, 1 / world, out=bucket_view)`, then
 read back) and a KV cache's rows.  µs per op on tpu, beside native torch on the CPU and the
 same write as a cached jax.jit call, with and without donating the storage (without, XLA
-copies the whole storage at every write).
+copies the whole storage at every write).  With --target (e.g. v5e:1x1, libtpu installed),
+the op's two strict executables, donating and not, compiled for that TPU: bytes accessed and
+roofline.
 
-    python benchmarks/view_writes.py [--storage-mb 1.88] [--ops 400]
+    python benchmarks/view_writes.py [--storage-mb 1.88] [--ops 400] [--target v5e:1x1]
 """
 import argparse
 
@@ -20,6 +22,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--storage-mb", type=float, default=1.88)
     p.add_argument("--ops", type=int, default=400)
+    p.add_argument("--target", help="a TPU topology to compile the op's executables for")
     args = p.parse_args()
     numel = int(args.storage_mb * 2**20 / 4)
     shape = (128, 384)
@@ -48,6 +51,22 @@ def main():
     print(f"storage {args.storage_mb} MB, a view of {size * 4 / 1e3:.0f} KB")
     for name, us in rows.items():
         print(f"  {name:45s} {us:8.1f} us/op")
+    if args.target:
+        _compiled_for(args.target)
+
+
+def _compiled_for(target):
+    """The strict executables of the last tpu mul.out into a view (its own and the one that
+    reuses the storage's buffer), compiled for `target` on the arguments they last ran on."""
+    from torchtpu._execution import kernels
+    (program,) = [c for c in kernels.kernel_for(torch.ops.aten.mul.out).cache.values()
+                  if c.donor is not None]
+    for name, fn in (("not donating", program.fn), ("donating", program.donor)):
+        args = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
+                for a in jax.tree_util.tree_leaves(fn.last.in_avals)]
+        report = fn.compile_for(target, *args)
+        print(f"  {target}, {name:13s} {report.bytes_accessed / 1e6:8.3f} MB accessed, "
+              f"roofline {report.optimal_seconds * 1e6:.2f} us")
 
 
 if __name__ == "__main__":
